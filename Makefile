@@ -1,0 +1,35 @@
+# kvserve: `make serve` runs the service on the embedded default model, `make test` runs
+# the tests. Both create .venv and install what they need first.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# CPU hosts get the CPU wheel of torch; a host with an NVIDIA driver gets the default
+# (CUDA) build from PyPI.
+TORCH_SPEC := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
+
+.PHONY: install serve test protos lint bench bench-kvserve clean
+
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q "$(TORCH_SPEC)"
+	$(VPY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/kvserve serve $(ARGS)
+
+test: $(STAMP)
+	$(VPY) -m pytest -q $(PYTEST_ARGS)
+
+protos: $(STAMP)
+	$(VPY) -m kvserve.v1.generate_stubs
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check kvserve tests bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,116 @@
+"""Messages between the gRPC frontend and the runner workers (ZMQ, msgpack).
+
+Topology: the frontend binds a ROUTER socket (``ipc://<runtime>/frontend.sock`` by
+default); each runner connects a DEALER whose identity is its ``runner_id`` and says
+`Hello` first, then `RunnerStatus` at least every `STATUS_INTERVAL_S` seconds.
+
+Down (frontend -> runner): `GenerateReq`, `AbortReq`.
+Up (runner -> frontend): `Hello`, `RunnerStatus`, `TokenBatch` (one per scheduler step,
+carrying the new tokens of every request in the batch).
+
+Token ids only cross this link; text (tokenize, detokenize, stop strings) stays in the
+frontend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.wire import Codec
+
+STATUS_INTERVAL_S = 0.25
+"""A runner sends RunnerStatus at least this often; the frontend declares it dead after
+`RUNNER_TIMEOUT_S` of silence (or at once when its local pid is gone)."""
+RUNNER_TIMEOUT_S = 1.5
+
+
+class FinishReason:
+    """Values of `TokenOut.finish_reason` ("" while the request goes on)."""
+
+    STOP = "stop"  # EOS or a stop token id (stop strings are the frontend's)
+    LENGTH = "length"  # max_new_tokens or the context length reached
+    ABORT = "abort"  # aborted by the frontend
+    ERROR = "error"  # failed in the runner (memsvc gone, internal error): see TokenOut.error
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request sampling. The frontend validates ranges before sending."""
+
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_new_tokens: int = 128
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int = 0  # top-n logprobs per sampled token; 0 = none
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateReq:
+    rid: str
+    token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = 0.0  # time.time() at the frontend, for queue-time metrics
+
+
+@dataclass(frozen=True, slots=True)
+class AbortReq:
+    rid: str
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    runner_id: str
+    pid: int
+    model: str
+    max_running: int
+    max_context_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerStatus:
+    runner_id: str
+    running: int
+    waiting: int
+    kv_usage: float  # fraction of the memsvc pool in use, 0..1
+    memsvc_ok: bool = True  # False while the runner has no live memsvc attachment
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """Logprob of one sampled token and the top-n alternatives at that position."""
+
+    logprob: float
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenOut:
+    """New output of one request in one step."""
+
+    rid: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    queue_time: float = 0.0  # seconds from arrival to first scheduling (first TokenOut only)
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenBatch:
+    runner_id: str
+    outputs: list[TokenOut]
+
+
+DOWN = Codec(GenerateReq, AbortReq)
+UP = Codec(Hello, RunnerStatus, TokenBatch)
