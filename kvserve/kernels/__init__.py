@@ -1,0 +1,35 @@
+"""Attention backends over the token-level KV pool.
+
+`get_backend("torch")` is the plain-torch reference (CPU backend and test oracle);
+`get_backend("triton")` runs the Triton kernels (imported lazily, so CPU-only users never
+import triton).  Both expose `attention(q, k, v, *, k_cache, v_cache, meta, sm_scale)`;
+`build_kvcache` builds the per-step `meta` (see docs/interfaces.md).
+
+Imports only torch (and triton, lazily).
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from kvserve.kernels.metadata import DecodeWorkspace, KVCache, build_kvcache
+
+_BACKEND_MODULES = {
+    "torch": "kvserve.kernels.reference",
+    "triton": "kvserve.kernels.triton_backend",
+}
+
+
+def get_backend(name: str) -> ModuleType:
+    """Return the backend module named `name` ("torch" or "triton")."""
+    try:
+        module = _BACKEND_MODULES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown attention backend {name!r}; choose one of {sorted(_BACKEND_MODULES)}"
+        ) from None
+    return importlib.import_module(module)
+
+
+__all__ = ["DecodeWorkspace", "KVCache", "build_kvcache", "get_backend"]
