@@ -1,0 +1,174 @@
+"""Reading a `.gguf` file: metadata, HF-named dequantized tensors, and a cached tokenizer.
+
+llama.cpp stores weights under its own names and, for the llama architecture, permutes the
+rows of the Q and K projections so that rotary pairs are interleaved; this module renames
+the tensors to the Hugging Face names and undoes that permutation, so that the model code
+sees exactly what a HF checkpoint holds. It knows nothing about modules or devices.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvserve.runner.modelconfig import ModelConfig, ModelLoadError, config_from_gguf
+
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+# Families whose llama.cpp conversion permutes Q/K rows (Qwen2 is converted unpermuted).
+_PERMUTED_FAMILIES = ("llama", "mistral")
+_MAX_ARRAY = 1024  # metadata arrays longer than this (vocab, merges) are not decoded
+
+
+def open_reader(path: Path) -> Any:
+    from gguf import GGUFReader
+
+    if not path.is_file():
+        raise ModelLoadError(f"model {path}: no such file")
+    try:
+        return GGUFReader(str(path), "r")
+    except Exception as exc:  # gguf raises ValueError, struct.error, OSError, ...
+        raise ModelLoadError(f"model {path}: not a readable GGUF file ({exc})") from None
+
+
+def read_fields(reader: Any) -> dict[str, Any]:
+    """Decoded metadata; long arrays are left out, their length kept under `key + '#len'`."""
+    out: dict[str, Any] = {}
+    for name, field in reader.fields.items():
+        if len(field.data) > _MAX_ARRAY:
+            out[name + "#len"] = len(field.data)
+            continue
+        try:
+            out[name] = field.contents()
+        except Exception:  # a field type this gguf version cannot decode: not one we use
+            continue
+    return out
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The HF tensor name for a GGUF tensor name, or None when it has no HF counterpart."""
+    if gguf_name in _TOP_NAMES:
+        return _TOP_NAMES[gguf_name]
+    m = _BLOCK_RE.match(gguf_name)
+    if m is None or m.group(2) not in _BLOCK_NAMES:
+        return None
+    return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's rotary permutation of Q/K rows (interleaved pairs -> two halves)."""
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_config(reader: Any, path: Path) -> ModelConfig:
+    fields = read_fields(reader)
+    names = {t.name for t in reader.tensors}
+    factors = None
+    if "rope_freqs.weight" in names:
+        t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+        factors = tuple(float(x) for x in _dequantize(t).reshape(-1))
+    return config_from_gguf(
+        fields,
+        str(path),
+        has_output="output.weight" in names,
+        has_qkv_bias="blk.0.attn_q.bias" in names,
+        rope_freq_factors=factors,
+        n_tokens=fields.get("tokenizer.ggml.tokens#len"),
+    )
+
+
+def _dequantize(t: Any) -> np.ndarray:
+    from gguf.quants import dequantize
+
+    arr = dequantize(t.data, t.tensor_type)
+    return arr.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
+
+
+def iter_tensors(
+    reader: Any, config: ModelConfig, path: Path
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, float32 tensor) for every tensor with a HF counterpart."""
+    permute = config.family in _PERMUTED_FAMILIES
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            continue
+        try:
+            arr = _dequantize(t)
+        except Exception as exc:
+            raise ModelLoadError(
+                f"model {path}: tensor {t.name}: cannot dequantize ({exc})"
+            ) from None
+        if permute and ".q_proj." in name:
+            arr = _unpermute(arr, config.num_heads)
+        elif permute and ".k_proj." in name:
+            arr = _unpermute(arr, config.num_kv_heads)
+        yield name, torch.from_numpy(np.array(arr, dtype=np.float32, order="C"))
+
+
+def eos_ids(fields: dict[str, Any]) -> list[int]:
+    """End-of-generation ids named by the GGUF tokenizer metadata."""
+    keys = (
+        "tokenizer.ggml.eos_token_id",
+        "tokenizer.ggml.eot_token_id",
+        "tokenizer.ggml.eom_token_id",
+    )
+    out: list[int] = []
+    for key in keys:
+        value = fields.get(key)
+        if value is not None and int(value) not in out:
+            out.append(int(value))
+    return out
+
+
+def cached_tokenizer(path: Path, cache_root: Path) -> Any:
+    """The tokenizer of a GGUF file; built once by transformers (slow) and cached as tokenizer.json."""
+    from transformers import AutoTokenizer
+
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[
+        :16
+    ]
+    target = cache_root / f"{path.stem}-{key}"
+    if (target / "tokenizer.json").is_file():
+        return AutoTokenizer.from_pretrained(str(target))
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as exc:
+        raise ModelLoadError(
+            f"model {path}: cannot build a tokenizer from the GGUF metadata ({exc})"
+        ) from None
+    cache_root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=cache_root, prefix=".tok-"))
+    tok.save_pretrained(str(tmp))
+    try:
+        os.replace(tmp, target)
+    except OSError:  # another process cached it first
+        for f in tmp.iterdir():
+            f.unlink()
+        tmp.rmdir()
+    return tok

@@ -1,0 +1,225 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over a flat ragged batch.
+
+Tokens of all requests are concatenated (no padding); each carries its absolute position.
+Attention is delegated: `forward` hands each layer's q/k/v to a `kvserve.kernels` backend
+with the memsvc-mapped KV buffers; `forward_tokens` takes any `attend` callable (the
+static benchmark loop uses a dense cache). This module knows nothing about slots,
+requests, scheduling or sampling, and nothing about file formats: `weights.py` fills the
+parameters through `weight_slots()`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.runner.modelconfig import ModelConfig
+
+# attend(layer, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> o [T, Hq, D]
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class WeightSlot:
+    """Where one checkpoint tensor goes: rows [start, start + shape[0]) of `param`."""
+
+    param: torch.Tensor
+    start: int
+    shape: tuple[int, ...]
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    """RMS normalisation computed in float32, as transformers does, then scaled in the model dtype."""
+
+    def __init__(self, dim: int, eps: float, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = _param(dim, dtype=dtype, device=device)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """cos/sin tables [positions, head_dim // 2] computed once in float32, grown on demand."""
+
+    def __init__(self, config: ModelConfig, *, device: torch.device) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", config.inv_freq().to(device), persistent=False)
+        self.register_buffer(
+            "cos", torch.empty(0, config.head_dim // 2, device=device), persistent=False
+        )
+        self.register_buffer(
+            "sin", torch.empty(0, config.head_dim // 2, device=device), persistent=False
+        )
+        self._grow(min(config.max_position_embeddings, 8192))
+
+    def _grow(self, n: int) -> None:
+        pos = torch.arange(n, dtype=torch.float32, device=self.inv_freq.device)
+        freqs = pos[:, None] * self.inv_freq[None, :]
+        self.cos = freqs.cos()
+        self.sin = freqs.sin()
+
+    def tables(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for `positions` [T], shaped [T, 1, D/2] in `dtype`."""
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        if need > self.cos.shape[0]:
+            self._grow(max(need, 2 * self.cos.shape[0]))
+        cos = self.cos.index_select(0, positions).to(dtype).unsqueeze(1)
+        sin = self.sin.index_select(0, positions).to(dtype).unsqueeze(1)
+        return cos, sin
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate halves of the last dim (the HF "rotate_half" layout): x [T, H, D]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + SwiGLU MLP with fused qkv and gate/up projections."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        kw: dict[str, Any] = {"dtype": dtype, "device": device}
+        self.cfg = cfg
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        qkv_rows = cfg.q_size + 2 * cfg.kv_size
+        self.qkv_weight = _param(qkv_rows, cfg.hidden_size, **kw)
+        self.qkv_bias = _param(qkv_rows, **kw) if cfg.qkv_bias else None
+        self.o_weight = _param(cfg.hidden_size, cfg.q_size, **kw)
+        self.o_bias = _param(cfg.hidden_size, **kw) if cfg.o_bias else None
+        self.gate_up_weight = _param(2 * cfg.intermediate_size, cfg.hidden_size, **kw)
+        self.gate_up_bias = _param(2 * cfg.intermediate_size, **kw) if cfg.mlp_bias else None
+        self.down_weight = _param(cfg.hidden_size, cfg.intermediate_size, **kw)
+        self.down_bias = _param(cfg.hidden_size, **kw) if cfg.mlp_bias else None
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, attend: AttendFn
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        t = x.shape[0]
+        qkv = F.linear(self.input_norm(x), self.qkv_weight, self.qkv_bias)
+        n_qk = cfg.num_heads + cfg.num_kv_heads
+        qk = apply_rotary(qkv[:, : n_qk * cfg.head_dim].view(t, n_qk, cfg.head_dim), cos, sin)
+        q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
+        v = qkv[:, n_qk * cfg.head_dim :].view(t, cfg.num_kv_heads, cfg.head_dim)
+        o = attend(layer, q, k, v)
+        h = x + F.linear(o.reshape(t, cfg.q_size), self.o_weight, self.o_bias)
+        gate_up = F.linear(self.post_norm(h), self.gate_up_weight, self.gate_up_bias)
+        gate, up = gate_up.split(cfg.intermediate_size, dim=-1)
+        return h + F.linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM whose parameters are allocated empty; load them with weights.py."""
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        kw: dict[str, Any] = {"dtype": dtype, "device": device}
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.embed = _param(config.vocab_size, config.hidden_size, **kw)
+        self.layers = nn.ModuleList(DecoderLayer(config, **kw) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+        self.lm_head = (
+            self.embed
+            if config.tie_word_embeddings
+            else _param(config.vocab_size, config.hidden_size, **kw)
+        )
+        self.rotary = Rotary(config, device=device)
+        self.sm_scale = config.head_dim**-0.5
+
+    def weight_slots(self) -> dict[str, WeightSlot]:
+        """Every tensor a HF-named checkpoint must supply, keyed by its HF name."""
+        cfg = self.config
+        slots: dict[str, WeightSlot] = {
+            "model.embed_tokens.weight": WeightSlot(self.embed, 0, tuple(self.embed.shape))
+        }
+        if not cfg.tie_word_embeddings:
+            slots["lm_head.weight"] = WeightSlot(self.lm_head, 0, tuple(self.lm_head.shape))
+        slots["model.norm.weight"] = WeightSlot(self.norm.weight, 0, (cfg.hidden_size,))
+        h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            slots[p + "input_layernorm.weight"] = WeightSlot(layer.input_norm.weight, 0, (h,))
+            slots[p + "post_attention_layernorm.weight"] = WeightSlot(
+                layer.post_norm.weight, 0, (h,)
+            )
+            for name, start, rows in (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)):
+                slots[p + f"self_attn.{name}.weight"] = WeightSlot(
+                    layer.qkv_weight, start, (rows, h)
+                )
+                if layer.qkv_bias is not None:
+                    slots[p + f"self_attn.{name}.bias"] = WeightSlot(layer.qkv_bias, start, (rows,))
+            slots[p + "self_attn.o_proj.weight"] = WeightSlot(layer.o_weight, 0, (h, q))
+            if layer.o_bias is not None:
+                slots[p + "self_attn.o_proj.bias"] = WeightSlot(layer.o_bias, 0, (h,))
+            for name, start in (("gate_proj", 0), ("up_proj", inter)):
+                slots[p + f"mlp.{name}.weight"] = WeightSlot(
+                    layer.gate_up_weight, start, (inter, h)
+                )
+                if layer.gate_up_bias is not None:
+                    slots[p + f"mlp.{name}.bias"] = WeightSlot(layer.gate_up_bias, start, (inter,))
+            slots[p + "mlp.down_proj.weight"] = WeightSlot(layer.down_weight, 0, (h, inter))
+            if layer.down_bias is not None:
+                slots[p + "mlp.down_proj.bias"] = WeightSlot(layer.down_bias, 0, (h,))
+        return slots
+
+    @torch.inference_mode()
+    def forward_tokens(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attend: AttendFn,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run the flat batch `input_ids` [T] at `positions` [T]; float32 logits [B, vocab]
+        for the tokens at `logits_indices` [B]."""
+        cos, sin = self.rotary.tables(positions, self.dtype)
+        x = F.embedding(input_ids, self.embed)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, i, attend)
+        x = self.norm(x.index_select(0, logits_indices))
+        return F.linear(x, self.lm_head).float()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: Any,
+        *,
+        k_buffer: torch.Tensor,
+        v_buffer: torch.Tensor,
+        backend: Any,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Forward over memsvc KV buffers [n_layers, size, Hkv, D] with a kernels backend.
+
+        `meta` is a `kvserve.kernels.KVCache` (its `positions` are the absolute positions of
+        `input_ids`); each layer's new k/v are stored at `meta.out_cache_loc` by the backend.
+        Returns float32 logits [B, vocab] for `logits_indices`.
+        """
+        scale = self.sm_scale
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return backend.attention(
+                q, k, v, k_cache=k_buffer[layer], v_cache=v_buffer[layer], meta=meta, sm_scale=scale
+            )
+
+        return self.forward_tokens(input_ids, meta.positions, attend, logits_indices)

@@ -1,0 +1,210 @@
+"""The shape of a Llama-family model: `ModelConfig`, read from config.json or GGUF metadata.
+
+This module knows model hyperparameters only. It never reads tensors, never builds
+modules, and knows nothing about KV slots or scheduling.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# HF `model_type` -> family, and the GGUF `general.architecture` values we accept.
+HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class ModelLoadError(ValueError):
+    """A model that cannot be loaded; the message names the file, tensor or field at fault."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Hyperparameters of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2)."""
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position: int = 8192
+    # Per-frequency divisors (GGUF `rope_freqs.weight`, how llama.cpp stores llama3 scaling).
+    rope_freq_factors: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(
+                f"num_attention_heads {self.num_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ModelLoadError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+        if self.rope_type not in ROPE_TYPES:
+            raise ModelLoadError(
+                f"unsupported rope scaling type {self.rope_type!r} (supported: {', '.join(ROPE_TYPES)})"
+            )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def inv_freq(self) -> torch.Tensor:
+        """Rotary inverse frequencies [head_dim // 2] in float32, as transformers computes them."""
+        d = self.head_dim
+        exponents = torch.arange(0, d, 2, dtype=torch.int64).to(torch.float32) / d
+        inv = 1.0 / (self.rope_theta**exponents)
+        if self.rope_freq_factors is not None:
+            return inv / torch.tensor(self.rope_freq_factors, dtype=torch.float32)
+        if self.rope_type == "linear":
+            return inv / self.rope_factor
+        if self.rope_type == "llama3":
+            return _llama3_inv_freq(inv, self)
+        return inv
+
+
+def _llama3_inv_freq(inv: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Llama 3.1 frequency-dependent scaling: long wavelengths slowed, short kept, smooth in between."""
+    old_len = cfg.rope_original_max_position
+    low_wavelen = old_len / cfg.rope_low_freq_factor
+    high_wavelen = old_len / cfg.rope_high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / cfg.rope_factor, inv)
+    smooth = (old_len / wavelen - cfg.rope_low_freq_factor) / (
+        cfg.rope_high_freq_factor - cfg.rope_low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / cfg.rope_factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _rope_fields(rope: dict[str, Any] | None, where: str) -> dict[str, Any]:
+    if not rope:
+        return {}
+    kind = str(rope.get("rope_type") or rope.get("type") or "default")
+    out: dict[str, Any] = {"rope_type": kind}
+    if kind == "default":
+        return out
+    if kind not in ROPE_TYPES:
+        raise ModelLoadError(f"{where}: unsupported rope scaling type {kind!r}")
+    out["rope_factor"] = float(rope["factor"])
+    if kind == "llama3":
+        out["rope_low_freq_factor"] = float(rope["low_freq_factor"])
+        out["rope_high_freq_factor"] = float(rope["high_freq_factor"])
+        out["rope_original_max_position"] = int(rope["original_max_position_embeddings"])
+    return out
+
+
+def config_from_hf(cfg: dict[str, Any], where: str) -> ModelConfig:
+    """Build a ModelConfig from a parsed HF config.json; `where` names the file in errors."""
+    model_type = cfg.get("model_type")
+    family = HF_MODEL_TYPES.get(str(model_type))
+    if family is None:
+        archs = cfg.get("architectures")
+        raise ModelLoadError(
+            f"{where}: unsupported architecture model_type={model_type!r} architectures={archs!r} "
+            f"(supported model types: {', '.join(HF_MODEL_TYPES)})"
+        )
+    try:
+        n_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        # transformers 5 folds rope_theta and rope_scaling into rope_parameters.
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling")
+        theta = cfg.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
+        return ModelConfig(
+            family=family,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=n_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // n_heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+            o_bias=family != "qwen2" and bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            **_rope_fields(rope, where),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, ModelLoadError):
+            raise
+        raise ModelLoadError(f"{where}: missing or bad field {exc}") from None
+
+
+def config_from_gguf(
+    fields: dict[str, Any],
+    where: str,
+    *,
+    has_output: bool,
+    has_qkv_bias: bool,
+    rope_freq_factors: tuple[float, ...] | None,
+    n_tokens: int | None = None,
+) -> ModelConfig:
+    """Build a ModelConfig from GGUF metadata (`fields`: key -> decoded value); `n_tokens` is
+    the length of the tokenizer vocabulary, used when the metadata has no vocab_size."""
+    arch = fields.get("general.architecture")
+    family = GGUF_ARCHITECTURES.get(str(arch))
+    if family is None:
+        raise ModelLoadError(
+            f"{where}: unsupported GGUF architecture {arch!r} (supported: {', '.join(GGUF_ARCHITECTURES)})"
+        )
+
+    def get(key: str, default: Any = None) -> Any:
+        value = fields.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"{where}: GGUF metadata has no {arch}.{key}")
+        return value
+
+    n_heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    vocab = fields.get(f"{arch}.vocab_size") or n_tokens
+    if vocab is None:
+        raise ModelLoadError(f"{where}: GGUF metadata gives no vocabulary size")
+    rope_type = str(fields.get(f"{arch}.rope.scaling.type", "none"))
+    rope: dict[str, Any] = {}
+    if rope_type == "linear":
+        rope = {"rope_type": "linear", "rope_factor": float(get("rope.scaling.factor"))}
+    elif rope_type not in ("none", "default"):
+        raise ModelLoadError(f"{where}: unsupported GGUF rope scaling type {rope_type!r}")
+    return ModelConfig(
+        family=family,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=n_heads,
+        num_kv_heads=int(fields.get(f"{arch}.attention.head_count_kv") or n_heads),
+        head_dim=int(fields.get(f"{arch}.attention.key_length") or hidden // n_heads),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(get("context_length", 4096)),
+        tie_word_embeddings=not has_output,
+        qkv_bias=has_qkv_bias,
+        rope_freq_factors=rope_freq_factors,
+        **rope,
+    )
