@@ -1,0 +1,203 @@
+"""The frontend's side of the runner link: one ZMQ ROUTER socket, one queue per request.
+
+`Dispatcher` binds the ROUTER the runners connect to, decodes their `Hello`,
+`RunnerStatus` and `TokenBatch` messages (kvserve.runner.messages), keeps the `Router`
+up to date, delivers each `TokenOut` to its request's asyncio queue, and sends
+`GenerateReq` / `AbortReq` down. When a runner dies, its requests that have streamed
+nothing yet are retried on another live runner; the others get a `Failure`.
+
+Knows nothing about gRPC, text or tokenizers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from kvserve.runner.messages import (
+    DOWN,
+    UP,
+    AbortReq,
+    GenerateReq,
+    Hello,
+    RunnerStatus,
+    SamplingParams,
+    TokenBatch,
+    TokenOut,
+)
+from kvserve.runner.router import Router
+from kvserve.wire import WireError
+
+log = logging.getLogger("kvserve.frontend")
+
+REAP_INTERVAL_S = 0.1
+
+
+class NoRunner(RuntimeError):
+    """No live runner can take the request."""
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """Queue event: the request cannot go on (its runner died)."""
+
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class UserAbort:
+    """Queue event: the `Abort` RPC asked to stop this request."""
+
+
+Event = TokenOut | Failure | UserAbort
+
+
+@dataclass(slots=True)
+class Pending:
+    """One request the frontend sent to a runner."""
+
+    rid: str
+    token_ids: list[int]
+    params: SamplingParams
+    arrival: float
+    queue: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    streamed: bool = False
+    tried: set[str] = field(default_factory=set)
+
+
+class Dispatcher:
+    """Routes requests to runners and their outputs back; owns the ROUTER socket."""
+
+    def __init__(self, address: str, router: Router,
+                 on_runners_changed: Callable[[int], None] = lambda n: None) -> None:
+        self.address = address
+        self.router = router
+        self.pending: dict[str, Pending] = {}
+        self.malformed = 0
+        self._on_change = on_runners_changed
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self._tasks: list[asyncio.Task] = []
+        self._live = 0
+
+    def start(self) -> None:
+        """Bind the socket and start the receive and liveness loops (needs a running loop)."""
+        self._sock.bind(self.address)
+        self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._reap_loop())]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._sock.close(0)
+        self._ctx.term()
+
+    @property
+    def live_runners(self) -> int:
+        return len(self.router.runners)
+
+    def submit(self, rid: str, token_ids: list[int], params: SamplingParams) -> Pending:
+        """Send a request to the least-loaded live runner; raise NoRunner when there is none."""
+        p = Pending(rid=rid, token_ids=token_ids, params=params, arrival=time.time())
+        self._send_to_runner(p)
+        self.pending[rid] = p
+        return p
+
+    def _send_to_runner(self, p: Pending) -> None:
+        st = self.router.pick(exclude=frozenset(p.tried))
+        if st is None:
+            raise NoRunner("no live runner")
+        p.tried.add(st.runner_id)
+        self.router.assign(p.rid, st.runner_id)
+        msg = GenerateReq(rid=p.rid, token_ids=p.token_ids, params=p.params, arrival_time=p.arrival)
+        self._send(st.runner_id, DOWN.encode(msg))
+
+    def _send(self, runner_id: str, frame: bytes) -> None:
+        try:
+            self._sock.send_multipart([runner_id.encode(), frame], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # runner gone or its queue full: liveness will notice
+            log.warning("send to %s failed: %s", runner_id, exc)
+
+    def abort(self, rid: str) -> None:
+        """Tell the runner to drop `rid` (if it still runs it) and forget the request."""
+        self.pending.pop(rid, None)
+        runner_id = self.router.release(rid)
+        if runner_id is not None and runner_id in self.router.runners:
+            self._send(runner_id, DOWN.encode(AbortReq(rid=rid)))
+
+    def finish(self, rid: str) -> None:
+        """Forget a request the runner has finished on its own."""
+        self.pending.pop(rid, None)
+        self.router.release(rid)
+
+    def user_abort(self, rid: str) -> bool:
+        p = self.pending.get(rid)
+        if p is None:
+            return False
+        p.queue.put_nowait(UserAbort())
+        return True
+
+    async def _recv_loop(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart()
+            if len(frames) != 2:
+                self.malformed += 1
+                continue
+            try:
+                msg = UP.decode(frames[1])
+            except WireError as exc:
+                self.malformed += 1
+                log.warning("malformed message from runner %r: %s", frames[0][:64], exc)
+                continue
+            self._handle(frames[0].decode(errors="replace"), msg)
+
+    def _handle(self, identity: str, msg: Hello | RunnerStatus | TokenBatch) -> None:
+        now = time.monotonic()
+        if isinstance(msg, Hello):
+            log.info("runner %s (pid %d) connected", msg.runner_id, msg.pid)
+            self._fail(msg.runner_id, self.router.hello(msg, now))
+        elif isinstance(msg, RunnerStatus):
+            self.router.status(msg, now)
+        else:
+            self.router.seen(msg.runner_id, now)
+            for out in msg.outputs:
+                p = self.pending.get(out.rid)
+                if p is not None:
+                    p.streamed = True
+                    p.queue.put_nowait(out)
+        self._notify()
+
+    def _notify(self) -> None:
+        n = len(self.router.runners)
+        if n != self._live:
+            self._live = n
+            self._on_change(n)
+
+    async def _reap_loop(self) -> None:
+        while True:
+            await asyncio.sleep(REAP_INTERVAL_S)
+            for runner_id, lost in self.router.reap(time.monotonic()).items():
+                log.warning("runner %s is gone; %d request(s) in flight", runner_id, len(lost))
+                self._fail(runner_id, lost)
+            self._notify()
+
+    def _fail(self, runner_id: str, rids: set[str]) -> None:
+        for rid in rids:
+            p = self.pending.get(rid)
+            if p is None:
+                continue
+            if not p.streamed:
+                try:
+                    self._send_to_runner(p)
+                    continue
+                except NoRunner:
+                    pass
+            p.queue.put_nowait(Failure(f"runner {runner_id} went away while serving the request"))

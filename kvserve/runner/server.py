@@ -1,0 +1,205 @@
+"""`kvserve frontend`: the gRPC front door (grpc.aio) in front of the runner workers.
+
+Wires together the `Dispatcher` (ZMQ ROUTER to the runners), the `GeneratorService`,
+standard `grpc.health.v1` health (SERVING only while a runner is live), server
+reflection, optional TLS and bearer-token auth, Prometheus metrics and sd_notify
+(READY=1 once the port answers and a runner is live, WATCHDOG=1, STOPPING=1). SIGTERM or
+SIGINT: health goes NOT_SERVING, new calls are refused, open streams drain for at most
+``--drain-timeout-s``, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import logging
+import signal
+import sys
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvserve import sdnotify
+from kvserve.config import ConfigError, add_dataclass_flags, config_from_args
+from kvserve.paths import runtime_dir
+from kvserve.runner.dispatch import Dispatcher
+from kvserve.runner.frontend_config import FrontendConfig
+from kvserve.runner.frontend_tokenizer import load_frontend_tokenizer
+from kvserve.runner.metrics import FrontendMetrics, serve_metrics
+from kvserve.runner.router import Router
+from kvserve.runner.service import GeneratorService
+from kvserve.v1 import generator_pb2 as pb
+from kvserve.v1 import generator_pb2_grpc as pb_grpc
+
+log = logging.getLogger("kvserve.frontend")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generator"].full_name
+HEALTH_NAMES = ("", SERVICE_NAME)
+_OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+HELP = {
+    "model": "model: a HF directory, a .gguf file, or '' for the embedded default",
+    "tokenizer": "'' = the model's tokenizer; 'bytes' = byte-level tokenizer (tests)",
+    "host": "address to bind the gRPC server to",
+    "port": "gRPC port (0 = pick a free one)",
+    "frontend_address": "ZMQ address runners connect to ('' = ipc://<runtime-dir>/frontend.sock)",
+    "runtime_dir": "directory for ipc sockets ('' = kvserve.paths.runtime_dir())",
+    "metrics_port": "Prometheus metrics port (0 = off)",
+    "max_message_bytes": "largest gRPC request message accepted",
+    "max_prompt_tokens": "longest prompt in tokens (0 = the context length)",
+    "max_new_tokens_cap": "largest max_new_tokens a request may ask for",
+    "default_max_new_tokens": "max_new_tokens when a request leaves it unset",
+    "max_concurrent_streams": "open Generate streams before RESOURCE_EXHAUSTED",
+    "max_waiting": "requests waiting for their first token before RESOURCE_EXHAUSTED",
+    "max_stop_strings": "most stop strings per request",
+    "max_stop_len": "longest stop string (characters)",
+    "drain_timeout_s": "seconds to let open streams finish on SIGTERM",
+    "runner_timeout_s": "seconds of runner silence before it counts as dead",
+    "tls_cert": "PEM certificate chain for TLS (with --tls-key)",
+    "tls_key": "PEM private key for TLS (with --tls-cert)",
+    "auth_token_file": "file holding a bearer token that clients must send (health stays open)",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve frontend", description=__doc__.split("\n\n")[0])
+    add_dataclass_flags(parser, FrontendConfig, help=HELP)
+    parser.add_argument("--config", default=None, help="TOML file with a [frontend] table")
+    return parser
+
+
+class _AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Reject calls without ``authorization: Bearer <token>`` (health and reflection stay open)."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation, details):  # type: ignore[override]
+        if details.method.startswith(_OPEN_METHODS):
+            return await continuation(details)
+        got = dict(details.invocation_metadata or ()).get("authorization", "")
+        if hmac.compare_digest(str(got).encode(), self._expected):
+            return await continuation(details)
+        handler = await continuation(details)
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+        if handler is not None and handler.response_streaming:
+            async def deny_stream(request, context):
+                await deny(request, context)
+                yield  # pragma: no cover - unreachable, makes this an async generator
+            return grpc.unary_stream_rpc_method_handler(deny_stream)
+        return grpc.unary_unary_rpc_method_handler(deny)
+
+
+async def _serve(cfg: FrontendConfig) -> int:
+    tok = await asyncio.to_thread(load_frontend_tokenizer, cfg.tokenizer, cfg.model)
+    metrics = FrontendMetrics()
+    metrics.set_info(model=tok.name, tokenizer=cfg.tokenizer or "model")
+    metrics_server = serve_metrics(metrics.registry, cfg.metrics_port)
+    address = cfg.frontend_address or f"ipc://{runtime_dir(cfg.runtime_dir or None) / 'frontend.sock'}"
+    health_servicer = health.aio.HealthServicer()
+    live = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_runners(n: int) -> None:
+        metrics.runners_live.set(n)
+        status = health_pb2.HealthCheckResponse.SERVING if n and not service.draining else \
+            health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in HEALTH_NAMES:
+            loop.create_task(health_servicer.set(name, status))
+        live.set() if n else live.clear()
+
+    dispatcher = Dispatcher(address, Router(timeout_s=cfg.runner_timeout_s), on_runners)
+    service = GeneratorService(cfg, tok, dispatcher, metrics)
+    interceptors = []
+    if cfg.auth_token_file:
+        token = Path(cfg.auth_token_file).read_text().strip()
+        if not token:
+            raise ConfigError(f"--auth-token-file: {cfg.auth_token_file} is empty")
+        interceptors.append(_AuthInterceptor(token))
+    server = grpc.aio.server(
+        interceptors=interceptors,
+        options=[("grpc.max_receive_message_length", cfg.max_message_bytes),
+                 ("grpc.so_reuseport", 0)],
+    )
+    pb_grpc.add_GeneratorServicer_to_server(service, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME), server)
+    for name in HEALTH_NAMES:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    bind = f"{cfg.host}:{cfg.port}"
+    if cfg.tls_cert:
+        creds = grpc.ssl_server_credentials(
+            [(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())])
+        port = server.add_secure_port(bind, creds)
+    else:
+        port = server.add_insecure_port(bind)
+    dispatcher.start()
+    await server.start()
+    print(f"frontend listening on {cfg.host}:{port}, runners connect to {address}", flush=True)
+
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    watchdog = asyncio.create_task(_watchdog())
+    ready = asyncio.create_task(_ready_when_live(live, port))
+    await stop.wait()
+
+    sdnotify.notify("STOPPING=1")
+    service.draining = True
+    for name in HEALTH_NAMES:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    deadline = loop.time() + cfg.drain_timeout_s
+    while service.active and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    if service.active:
+        log.warning("drain timeout: cancelling %d open stream(s)", service.active)
+    await server.stop(grace=0.5)
+    for task in (watchdog, ready):
+        task.cancel()
+    await dispatcher.close()
+    metrics_server.shutdown()
+    if address.startswith("ipc://"):
+        Path(address[len("ipc://"):]).unlink(missing_ok=True)
+    return 0
+
+
+async def _ready_when_live(live: asyncio.Event, port: int) -> None:
+    await live.wait()
+    print(f"frontend ready on port {port}", flush=True)
+    sdnotify.notify("READY=1")
+
+
+async def _watchdog() -> None:
+    interval = sdnotify.watchdog_interval_s()
+    if interval is None:
+        return
+    while True:
+        sdnotify.notify("WATCHDOG=1")
+        await asyncio.sleep(interval)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `kvserve frontend`; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s frontend %(levelname)s %(message)s")
+    try:
+        cfg = config_from_args(FrontendConfig, args, section="frontend", toml_path=args.config)
+        return asyncio.run(_serve(cfg))
+    except ConfigError as exc:
+        print(f"kvserve frontend: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as exc:
+        print(f"kvserve frontend: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""The `kvserve.v1.Generator` gRPC service: validate, route, detokenize, stream, cancel.
+
+One `GeneratorService` per frontend process. It turns each `Generate` call into a
+`GenerateReq` through the `Dispatcher`, streams one `GenerateResponse` per runner step
+(text deltas from `TextStream`, stop strings matched here), and sends `AbortReq` as soon
+as the call ends early (client cancel, deadline, stop string, `Abort` RPC).
+
+Knows gRPC and the proto; knows nothing about ZMQ framing or process management.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from kvserve.runner.detok import TextStream
+from kvserve.runner.dispatch import Dispatcher, Failure, NoRunner, UserAbort
+from kvserve.runner.frontend_config import FrontendConfig
+from kvserve.runner.frontend_tokenizer import FrontendTokenizer
+from kvserve.runner.messages import FinishReason, TokenOut
+from kvserve.runner.metrics import FrontendMetrics
+from kvserve.runner.validation import InvalidArgument, prepare, prompt_ids
+from kvserve.v1 import generator_pb2 as pb
+from kvserve.v1 import generator_pb2_grpc as pb_grpc
+
+DETOK_CONTEXT = 4  # prompt tokens seeding the detokenizer window
+
+
+@dataclass(slots=True)
+class _Usage:
+    prompt: int
+    cached: int = 0
+    completion: int = 0
+
+
+def _logprobs(out: TokenOut) -> list[pb.TokenLogprob]:
+    return [
+        pb.TokenLogprob(
+            token_id=tid, logprob=lp.logprob,
+            top=[pb.TopLogprob(token_id=i, logprob=v) for i, v in zip(lp.top_ids, lp.top_logprobs, strict=False)],
+        )
+        for tid, lp in zip(out.token_ids, out.logprobs, strict=False)
+    ]
+
+
+class GeneratorService(pb_grpc.GeneratorServicer):
+    """Implements every RPC of `kvserve.v1.Generator`."""
+
+    def __init__(self, cfg: FrontendConfig, tok: FrontendTokenizer, dispatcher: Dispatcher,
+                 metrics: FrontendMetrics) -> None:
+        self.cfg = cfg
+        self.tok = tok
+        self.dispatcher = dispatcher
+        self.metrics = metrics
+        self.draining = False
+        self.active = 0  # open Generate streams
+        self.waiting = 0  # open streams that have not received their first token
+
+    async def _fail(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+        self.metrics.errors.labels(code=code.name).inc()
+        await context.abort(code, message)
+
+    def _gauges(self) -> None:
+        self.metrics.running.set(self.active - self.waiting)
+        self.metrics.waiting.set(self.waiting)
+
+    async def Generate(self, request: pb.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        arrival = time.monotonic()
+        if self.draining:
+            await self._fail(context, grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        context_len = self.dispatcher.router.context_len(self.tok.max_context_len)
+        try:
+            prep = prepare(request, self.tok, self.cfg, context_len)
+        except InvalidArgument as exc:
+            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        rid = request.request_id or uuid.uuid4().hex
+        if rid in self.dispatcher.pending:
+            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT,
+                             f"request_id: {rid!r} is already in use by a running request")
+        if self.active >= self.cfg.max_concurrent_streams:
+            await self._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"too many concurrent streams (limit {self.cfg.max_concurrent_streams})")
+        if self.waiting >= self.cfg.max_waiting:
+            await self._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"the waiting queue is full ({self.cfg.max_waiting} requests)")
+        try:
+            pending = self.dispatcher.submit(rid, prep.prompt_ids, prep.params)
+        except NoRunner:
+            await self._fail(context, grpc.StatusCode.UNAVAILABLE, "no live runner; try again later")
+        self.metrics.prompt_tokens.inc(len(prep.prompt_ids))
+        stream = TextStream.create(self.tok.decode, prep.stops, prep.prompt_ids[-DETOK_CONTEXT:])
+        usage = _Usage(prompt=len(prep.prompt_ids))
+        self.active += 1
+        self.waiting += 1
+        self._gauges()
+        first = True
+        done = False
+        last = arrival
+        try:
+            while True:
+                event = await pending.queue.get()
+                if isinstance(event, Failure):
+                    await self._fail(context, grpc.StatusCode.UNAVAILABLE, event.message)
+                if isinstance(event, UserAbort):
+                    self.dispatcher.abort(rid)
+                    done = True
+                    yield self._final(rid, [], stream.finish(), FinishReason.ABORT, usage, None)
+                    return
+                out = event
+                if out.finish_reason == FinishReason.ERROR:
+                    await self._fail(context, grpc.StatusCode.UNAVAILABLE,
+                                     f"the runner failed the request: {out.error or 'unknown error'}")
+                now = time.monotonic()
+                if first and out.token_ids:
+                    first = False
+                    self.waiting -= 1
+                    self._gauges()
+                    self.metrics.ttft.observe(now - arrival)
+                    if out.queue_time > 0:
+                        self.metrics.queue_time.observe(out.queue_time)
+                elif out.token_ids:
+                    self.metrics.itl.observe((now - last) / len(out.token_ids))
+                last = now
+                usage.cached = max(usage.cached, out.cached_tokens)
+                usage.completion += len(out.token_ids)
+                self.metrics.generation_tokens.inc(len(out.token_ids))
+                text, stopped = stream.push(out.token_ids)
+                if stopped:
+                    self.dispatcher.abort(rid)
+                    done = True
+                    yield self._final(rid, out, text, FinishReason.STOP, usage, arrival)
+                    return
+                if out.finish_reason:
+                    self.dispatcher.finish(rid)
+                    done = True
+                    yield self._final(rid, out, text + stream.finish(), out.finish_reason, usage, arrival)
+                    return
+                yield pb.GenerateResponse(request_id=rid, token_ids=out.token_ids, text=text,
+                                          logprobs=_logprobs(out))
+        finally:
+            if not done:
+                self.dispatcher.abort(rid)
+            self.active -= 1
+            if first:
+                self.waiting -= 1
+            self._gauges()
+
+    def _final(self, rid: str, out: TokenOut | list, text: str, reason: str, usage: _Usage,
+               arrival: float | None) -> pb.GenerateResponse:
+        self.metrics.requests.labels(finish_reason=reason).inc()
+        self.metrics.cached_prompt_tokens.inc(usage.cached)
+        if arrival is not None:
+            self.metrics.e2e.observe(time.monotonic() - arrival)
+        ids = out.token_ids if isinstance(out, TokenOut) else []
+        lps = _logprobs(out) if isinstance(out, TokenOut) else []
+        return pb.GenerateResponse(
+            request_id=rid, token_ids=ids, text=text, logprobs=lps, finish_reason=reason,
+            usage=pb.Usage(prompt_tokens=usage.prompt, cached_tokens=usage.cached,
+                           completion_tokens=usage.completion),
+        )
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        return pb.ModelInfo(
+            name=self.tok.name, vocab_size=self.tok.vocab_size,
+            max_context_len=self.dispatcher.router.context_len(self.tok.max_context_len),
+            eos_token_ids=list(self.tok.eos_token_ids), has_chat_template=self.tok.has_chat_template,
+            max_new_tokens_cap=self.cfg.max_new_tokens_cap,
+        )
+
+    async def Tokenize(self, request: pb.TokenizeRequest,
+                       context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        try:
+            ids = prompt_ids(request, self.tok, oneof="input")
+        except InvalidArgument as exc:
+            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return pb.TokenizeResponse(token_ids=ids)
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        if not request.request_id:
+            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, "request_id: empty")
+        return pb.AbortResponse(aborted=self.dispatcher.user_abort(request.request_id))
+
+    async def GetLoad(self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadReport:
+        runners = [
+            pb.RunnerLoad(runner_id=st.runner_id, running=st.running, waiting=st.waiting,
+                          kv_usage=st.kv_usage, live=True)
+            for st in self.dispatcher.router.live()
+        ]
+        return pb.LoadReport(running=self.active - self.waiting, waiting=self.waiting, runners=runners)

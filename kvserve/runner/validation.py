@@ -1,0 +1,145 @@
+"""Check a `kvserve.v1.GenerateRequest` and turn it into prompt ids + runner sampling params.
+
+Every rejection is an `InvalidArgument` whose message starts with the field's path
+(``sampling.top_p: ...``), which the frontend returns as gRPC INVALID_ARGUMENT before
+anything is allocated. Knows the proto and the tokenizer, nothing about runners or I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvserve.runner.frontend_config import FrontendConfig
+from kvserve.runner.frontend_tokenizer import CHAT_ROLES, FrontendTokenizer
+from kvserve.runner.messages import SamplingParams
+from kvserve.v1 import generator_pb2 as pb
+
+MAX_LOGPROBS = 20
+MAX_REQUEST_ID_LEN = 256
+
+
+class InvalidArgument(ValueError):
+    """A request field that is missing or out of range; str() names the field."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A validated request, ready to route."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    stops: tuple[str, ...]
+
+
+def _check_ids(ids: list[int], vocab_size: int, field: str) -> None:
+    for i, tid in enumerate(ids):
+        if tid >= vocab_size:
+            raise InvalidArgument(f"{field}[{i}]", f"token id {tid} is out of vocabulary (size {vocab_size})")
+
+
+def prompt_ids(prompt: pb.GenerateRequest | pb.TokenizeRequest, tok: FrontendTokenizer,
+               oneof: str = "prompt") -> list[int]:
+    """Tokenize the request's text / token_ids / chat; raise InvalidArgument when it is empty or bad."""
+    kind = prompt.WhichOneof(oneof)
+    if kind is None:
+        raise InvalidArgument(oneof, "empty: set text, token_ids or chat")
+    if kind == "text":
+        if not prompt.text:
+            raise InvalidArgument(f"{oneof}.text", "empty prompt")
+        ids = tok.encode(prompt.text)
+    elif kind == "token_ids":
+        ids = list(prompt.token_ids.ids)
+        if not ids:
+            raise InvalidArgument(f"{oneof}.token_ids", "empty prompt")
+        _check_ids(ids, tok.vocab_size, f"{oneof}.token_ids")
+    else:
+        msgs = prompt.chat.messages
+        if not msgs:
+            raise InvalidArgument(f"{oneof}.chat.messages", "empty chat")
+        for i, m in enumerate(msgs):
+            if m.role not in CHAT_ROLES:
+                raise InvalidArgument(
+                    f"{oneof}.chat.messages[{i}].role",
+                    f"unknown chat role {m.role!r} (expected one of {', '.join(CHAT_ROLES)})",
+                )
+        if not tok.has_chat_template:
+            raise InvalidArgument(f"{oneof}.chat", "the model has no chat template; send text instead")
+        add_gen = prompt.chat.add_generation_prompt if prompt.chat.HasField("add_generation_prompt") else True
+        ids = tok.render_chat([(m.role, m.content) for m in msgs], add_gen)
+    if not ids:
+        raise InvalidArgument(oneof, "the prompt tokenizes to no tokens")
+    return ids
+
+
+def _finite(value: float, field: str) -> float:
+    if not math.isfinite(value):
+        raise InvalidArgument(field, f"must be a finite number, got {value}")
+    return value
+
+
+def sampling_params(s: pb.SamplingParams, tok: FrontendTokenizer, cfg: FrontendConfig) -> SamplingParams:
+    """Apply defaults to `s` and check every range; raise InvalidArgument naming the field."""
+
+    def opt(name: str, default: float) -> float:
+        return getattr(s, name) if s.HasField(name) else default
+
+    temperature = _finite(opt("temperature", 0.0), "sampling.temperature")
+    if temperature < 0:
+        raise InvalidArgument("sampling.temperature", f"must be >= 0, got {temperature}")
+    top_p = _finite(opt("top_p", 1.0), "sampling.top_p")
+    if not 0 < top_p <= 1:
+        raise InvalidArgument("sampling.top_p", f"must be in (0, 1], got {top_p}")
+    top_k = int(opt("top_k", 0))
+    if top_k < 0:
+        raise InvalidArgument("sampling.top_k", f"must be >= 0 (0 = off), got {top_k}")
+    min_p = _finite(opt("min_p", 0.0), "sampling.min_p")
+    if not 0 <= min_p <= 1:
+        raise InvalidArgument("sampling.min_p", f"must be in [0, 1], got {min_p}")
+    rep = _finite(opt("repetition_penalty", 1.0), "sampling.repetition_penalty")
+    if rep <= 0:
+        raise InvalidArgument("sampling.repetition_penalty", f"must be > 0, got {rep}")
+    presence = _finite(opt("presence_penalty", 0.0), "sampling.presence_penalty")
+    frequency = _finite(opt("frequency_penalty", 0.0), "sampling.frequency_penalty")
+    max_new = int(opt("max_new_tokens", min(cfg.default_max_new_tokens, cfg.max_new_tokens_cap)))
+    if not 0 < max_new <= cfg.max_new_tokens_cap:
+        raise InvalidArgument(
+            "sampling.max_new_tokens", f"must be in 1..{cfg.max_new_tokens_cap}, got {max_new}"
+        )
+    if len(s.stop) > cfg.max_stop_strings:
+        raise InvalidArgument("sampling.stop", f"too many stop strings: {len(s.stop)} > {cfg.max_stop_strings}")
+    for i, stop in enumerate(s.stop):
+        if not stop:
+            raise InvalidArgument(f"sampling.stop[{i}]", "empty stop string")
+        if len(stop) > cfg.max_stop_len:
+            raise InvalidArgument(f"sampling.stop[{i}]", f"longer than {cfg.max_stop_len} characters")
+    _check_ids(list(s.stop_token_ids), tok.vocab_size, "sampling.stop_token_ids")
+    if not 0 <= s.logprobs <= MAX_LOGPROBS:
+        raise InvalidArgument("sampling.logprobs", f"must be in 0..{MAX_LOGPROBS}, got {s.logprobs}")
+    return SamplingParams(
+        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+        repetition_penalty=rep, presence_penalty=presence, frequency_penalty=frequency,
+        seed=int(s.seed) if s.HasField("seed") else None, max_new_tokens=max_new,
+        stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, logprobs=int(s.logprobs),
+    )
+
+
+def prepare(req: pb.GenerateRequest, tok: FrontendTokenizer, cfg: FrontendConfig,
+            context_len: int) -> Prepared:
+    """Validate `req` fully (sampling first: it is cheap) and tokenize its prompt."""
+    if len(req.request_id) > MAX_REQUEST_ID_LEN:
+        raise InvalidArgument("request_id", f"longer than {MAX_REQUEST_ID_LEN} characters")
+    params = sampling_params(req.sampling, tok, cfg)
+    ids = prompt_ids(req, tok)
+    limit = context_len - 1
+    if cfg.max_prompt_tokens:
+        limit = min(limit, cfg.max_prompt_tokens)
+    if len(ids) > limit:
+        raise InvalidArgument(
+            "prompt", f"{len(ids)} tokens is longer than the limit of {limit} (context length {context_len})"
+        )
+    return Prepared(prompt_ids=ids, params=params, stops=tuple(req.sampling.stop))
