@@ -1,0 +1,95 @@
+"""Shared fixtures for the kernel tests: random KV pools and batches.
+
+Without CUDA the Triton kernels run in the interpreter: TRITON_INTERPRET must be set
+before a kernel module is decorated, so it is set here (at collection) and any kernel
+module imported earlier without it is reloaded.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+    for _name in ("store_kv", "decode", "extend", "triton_backend"):
+        _module = sys.modules.get(f"kvserve.kernels.{_name}")
+        if _module is not None:
+            importlib.reload(_module)
+
+from kvserve.kernels import KVCache, build_kvcache  # noqa: E402
+from kvserve.kernels.metadata import DecodeWorkspace  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass
+class Batch:
+    """A random pool + batch: new q/k/v, caches with random prefix K/V, metadata."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    req_to_token: torch.Tensor
+    rows: list[int]
+    prefix: list[int]
+    extend: list[int]
+    meta: KVCache
+
+
+def make_batch(
+    prefix: list[int],
+    extend: list[int],
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+    device: str = DEVICE,
+    block_q: int = 64,
+    workspace: bool = True,
+) -> Batch:
+    """Scatter each request's sequence over random slots (slot 0 stays the dummy)."""
+    gen = torch.Generator().manual_seed(seed)
+    bsz = len(prefix)
+    seq = [p + e for p, e in zip(prefix, extend, strict=True)]
+    size = sum(seq) + 7
+    max_ctx = max(seq) + 3
+    req_to_token = torch.zeros(bsz + 3, max_ctx, dtype=torch.int32)
+    rows = torch.randperm(bsz + 3, generator=gen)[:bsz].tolist()
+    perm = (torch.randperm(size - 1, generator=gen) + 1).to(torch.int32)
+    off = 0
+    for row, n in zip(rows, seq, strict=True):
+        req_to_token[row, :n] = perm[off : off + n]
+        off += n
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
+
+    t = sum(extend)
+    ws = None
+    if workspace:
+        ws = DecodeWorkspace.create(max_batch=bsz, num_q_heads=num_q_heads, head_dim=head_dim,
+                                    dtype=dtype, device=device, max_splits=8)
+    req_to_token = req_to_token.to(device)
+    meta = build_kvcache(req_to_token=req_to_token, req_pool_indices=rows, prefix_lens=prefix,
+                         extend_lens=extend, num_q_heads=num_q_heads, head_dim=head_dim,
+                         device=device, workspace=ws, num_kv_heads=num_kv_heads, block_q=block_q)
+    return Batch(
+        q=rnd(t, num_q_heads, head_dim), k=rnd(t, num_kv_heads, head_dim),
+        v=rnd(t, num_kv_heads, head_dim),
+        k_cache=rnd(size, num_kv_heads, head_dim), v_cache=rnd(size, num_kv_heads, head_dim),
+        req_to_token=req_to_token, rows=rows, prefix=prefix, extend=extend, meta=meta,
+    )
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """Max abs error allowed against the reference: 1e-4 fp32, 2e-2 half precision."""
+    return 1e-4 if dtype == torch.float32 else 2e-2
