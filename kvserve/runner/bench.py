@@ -1,0 +1,378 @@
+"""`kvserve bench`: a load generator for any running kvserve, over its public gRPC API.
+
+Open loop (Poisson arrivals at `--rate` req/s) or closed loop (`--concurrency` streams),
+prompts from length distributions or a JSONL file, an optional shared-prefix mode (k
+system prompts x many user turns), bounded by `--num-requests` and/or `--duration`.
+Prints a live progress line and, at the end, a table (requests/s, output tokens/s,
+TTFT / inter-token / end-to-end p50 p90 p99, errors by status, prefix-cache hit rate);
+`--json` writes the raw per-request records, `--plot` a PNG of latency CDFs and
+throughput over time.
+
+This module only talks gRPC (and reads a /metrics page if given); it knows nothing of
+the server's internals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import re
+import sys
+import time
+import urllib.request
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+
+from kvserve.v1 import generator_pb2 as pb
+from kvserve.v1 import generator_pb2_grpc as pb_grpc
+
+
+@dataclass(slots=True)
+class Record:
+    """What one request measured (times in seconds from the run's start)."""
+
+    index: int
+    prompt_tokens: int
+    max_new_tokens: int
+    start: float = 0.0
+    first_token: float | None = None
+    end: float = 0.0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    status: str = "OK"
+    finish_reason: str = ""
+    token_gaps: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """One request to send: either token ids or text, and its output budget."""
+
+    token_ids: list[int] | None
+    text: str | None
+    max_new_tokens: int
+
+
+def _parse_range(text: str, name: str) -> tuple[int, int]:
+    m = re.fullmatch(r"(\d+)(?::(\d+))?", text.strip())
+    if not m:
+        raise ValueError(f"--{name}: expected N or LO:HI, got {text!r}")
+    lo = int(m.group(1))
+    hi = int(m.group(2) or lo)
+    if lo <= 0 or hi < lo:
+        raise ValueError(f"--{name}: need 0 < LO <= HI, got {text!r}")
+    return lo, hi
+
+
+def make_workloads(args: argparse.Namespace, vocab_size: int, n: int) -> list[Workload]:
+    """Build `n` requests: from --prompts-file, or random token ids of the given lengths."""
+    rng = random.Random(args.seed)
+    out_lo, out_hi = _parse_range(args.output_len, "output-len")
+    if args.prompts_file:
+        rows = []
+        for lineno, line in enumerate(Path(args.prompts_file).read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{args.prompts_file}:{lineno}: not JSON ({exc})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                raise ValueError(f"{args.prompts_file}:{lineno}: expected {{\"prompt\": str, ...}}")
+            rows.append(row)
+        if not rows:
+            raise ValueError(f"{args.prompts_file}: no prompts")
+        return [
+            Workload(None, rows[i % len(rows)]["prompt"],
+                     int(rows[i % len(rows)].get("max_new_tokens") or rng.randint(out_lo, out_hi)))
+            for i in range(n)
+        ]
+    lo, hi = _parse_range(args.prompt_len, "prompt-len")
+    # Random ids from the bulk of the vocabulary: special tokens sit at the low end.
+    low_id = min(1000, vocab_size // 4)
+
+    def ids(k: int) -> list[int]:
+        return [rng.randrange(low_id, vocab_size) for _ in range(k)]
+
+    prefixes = [ids(args.prefix_len) for _ in range(args.shared_prefix)]
+    work = []
+    for i in range(n):
+        body = ids(rng.randint(lo, hi))
+        if prefixes:
+            body = prefixes[i % len(prefixes)] + body
+        work.append(Workload(body, None, rng.randint(out_lo, out_hi)))
+    return work
+
+
+def _request(w: Workload, index: int, args: argparse.Namespace) -> pb.GenerateRequest:
+    sampling = pb.SamplingParams(max_new_tokens=w.max_new_tokens, ignore_eos=args.ignore_eos)
+    if args.temperature > 0:
+        sampling.temperature = args.temperature
+        sampling.seed = args.seed * 100003 + index
+    req = pb.GenerateRequest(request_id=f"bench-{args.seed}-{index}", sampling=sampling)
+    if w.token_ids is not None:
+        req.token_ids.ids.extend(w.token_ids)
+    else:
+        req.text = w.text or ""
+    return req
+
+
+async def _one(stub: pb_grpc.GeneratorStub, req: pb.GenerateRequest, rec: Record, t0: float,
+               timeout: float | None, metadata: tuple) -> None:
+    rec.start = time.perf_counter() - t0
+    last = None
+    try:
+        async for resp in stub.Generate(req, timeout=timeout, metadata=metadata):
+            now = time.perf_counter() - t0
+            n = len(resp.token_ids)
+            if n:
+                if rec.first_token is None:
+                    rec.first_token = now
+                elif last is not None:
+                    rec.token_gaps.extend([(now - last) / n] * n)
+                last = now
+                rec.output_tokens += n
+            if resp.finish_reason:
+                rec.finish_reason = resp.finish_reason
+                rec.prompt_tokens = resp.usage.prompt_tokens
+                rec.cached_tokens = resp.usage.cached_tokens
+    except grpc.aio.AioRpcError as exc:
+        rec.status = exc.code().name
+    rec.end = time.perf_counter() - t0
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = (len(s) - 1) * q
+    f, c = math.floor(k), math.ceil(k)
+    return s[f] + (s[c] - s[f]) * (k - f)
+
+
+def _scrape_prefix(url: str | None) -> tuple[float, float] | None:
+    """(queried tokens, hit tokens) from a memsvc /metrics page, or None."""
+    if not url:
+        return None
+    try:
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+    except OSError:
+        return None
+    vals = {}
+    for name in ("kvserve_prefix_cache_queries_total", "kvserve_prefix_cache_hits_total"):
+        m = re.search(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.M)
+        vals[name] = float(m.group(1)) if m else 0.0
+    return vals["kvserve_prefix_cache_queries_total"], vals["kvserve_prefix_cache_hits_total"]
+
+
+def summarize(records: list[Record], wall: float, prefix: tuple[float, float] | None) -> dict:
+    """Aggregate figures of a run (what the table prints and --json stores)."""
+    ok = [r for r in records if r.status == "OK"]
+    out_tokens = sum(r.output_tokens for r in ok)
+    ttft = [r.first_token - r.start for r in ok if r.first_token is not None]
+    gaps = [g for r in ok for g in r.token_gaps]
+    e2e = [r.end - r.start for r in ok]
+    prompt = sum(r.prompt_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
+    pct = {q: f"p{int(q * 100)}" for q in (0.5, 0.9, 0.99)}
+    summary = {
+        "requests": len(records),
+        "ok": len(ok),
+        "wall_s": wall,
+        "requests_per_s": len(ok) / wall if wall else 0.0,
+        "output_tokens": out_tokens,
+        "output_tokens_per_s": out_tokens / wall if wall else 0.0,
+        "errors": dict(Counter(r.status for r in records if r.status != "OK")),
+        "prefix_hit_rate_usage": cached / prompt if prompt else 0.0,
+    }
+    for name, vals in (("ttft", ttft), ("itl", gaps), ("e2e", e2e)):
+        for q, tag in pct.items():
+            summary[f"{name}_{tag}_s"] = _percentile(vals, q)
+    if prefix is not None:
+        queried, hits = prefix
+        summary["prefix_hit_rate_metrics"] = hits / queried if queried else 0.0
+    return summary
+
+
+def format_table(s: dict) -> str:
+    """A plain-text table of a summary."""
+    ms = lambda v: "-" if v != v else f"{v * 1000:.1f}"  # noqa: E731 (nan -> "-")
+    lines = [
+        f"requests        {s['ok']}/{s['requests']} ok in {s['wall_s']:.1f} s",
+        f"requests/s      {s['requests_per_s']:.2f}",
+        f"output tok/s    {s['output_tokens_per_s']:.1f}  ({s['output_tokens']} tokens)",
+        "latency (ms)         p50      p90      p99",
+    ]
+    for name, label in (("ttft", "TTFT"), ("itl", "inter-token"), ("e2e", "end-to-end")):
+        lines.append(f"  {label:<14}" + "".join(f"{ms(s[f'{name}_{p}_s']):>9}" for p in ("p50", "p90", "p99")))
+    lines.append(f"errors          {s['errors'] or 'none'}")
+    rate = s.get("prefix_hit_rate_metrics", s["prefix_hit_rate_usage"])
+    source = "server metrics" if "prefix_hit_rate_metrics" in s else "usage.cached_tokens"
+    lines.append(f"prefix hit rate {rate * 100:.1f} % (from {source})")
+    return "\n".join(lines)
+
+
+def plot(records: list[Record], path: str) -> None:
+    """Write a PNG: latency CDFs (TTFT, e2e) and output tokens/s over time."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install 'kvserve[bench]'") from None
+    ok = [r for r in records if r.status == "OK"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, vals in (("TTFT", [r.first_token - r.start for r in ok if r.first_token is not None]),
+                       ("end-to-end", [r.end - r.start for r in ok])):
+        s = sorted(vals)
+        ax1.plot(s, [(i + 1) / len(s) for i in range(len(s))], label=name)
+    ax1.set_xlabel("seconds")
+    ax1.set_ylabel("fraction of requests")
+    ax1.set_title("latency CDF")
+    ax1.legend()
+    end = max((r.end for r in ok), default=0.0)
+    bins = max(1, int(end))
+    counts = [0] * (bins + 1)
+    for r in ok:
+        # Spread each request's tokens evenly over its streaming time.
+        first = r.first_token if r.first_token is not None else r.end
+        span = max(r.end - first, 1e-9)
+        for k in range(r.output_tokens):
+            counts[min(bins, int(first + span * k / max(r.output_tokens, 1)))] += 1
+    ax2.plot(range(len(counts)), counts)
+    ax2.set_xlabel("seconds since start")
+    ax2.set_ylabel("output tokens/s")
+    ax2.set_title("throughput over time")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+async def run(args: argparse.Namespace) -> tuple[list[Record], float, tuple[float, float] | None]:
+    """Drive the server; return the records, the wall time and the prefix-cache delta."""
+    metadata = (("authorization", f"Bearer {args.auth_token}"),) if args.auth_token else ()
+    async with grpc.aio.insecure_channel(args.address) as channel:
+        stub = pb_grpc.GeneratorStub(channel)
+        info = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30, metadata=metadata)
+        n = args.num_requests or 100_000
+        work = make_workloads(args, info.vocab_size, n)
+        before = _scrape_prefix(args.metrics_url)
+        records: list[Record] = []
+        t0 = time.perf_counter()
+        deadline = t0 + args.duration if args.duration else math.inf
+        timeout = args.request_timeout or None
+
+        def new_record(i: int) -> Record:
+            w = work[i]
+            rec = Record(index=i, prompt_tokens=len(w.token_ids or []), max_new_tokens=w.max_new_tokens)
+            records.append(rec)
+            return rec
+
+        progress = asyncio.create_task(_progress(records, t0, n, args.quiet))
+        if args.rate:
+            rng = random.Random(args.seed + 1)
+            tasks = []
+            for i in range(n):
+                if time.perf_counter() >= deadline:
+                    break
+                tasks.append(asyncio.create_task(
+                    _one(stub, _request(work[i], i, args), new_record(i), t0, timeout, metadata)))
+                await asyncio.sleep(rng.expovariate(args.rate))
+            await asyncio.gather(*tasks)
+        else:
+            counter = iter(range(n))
+
+            async def worker() -> None:
+                for i in counter:
+                    if time.perf_counter() >= deadline:
+                        return
+                    await _one(stub, _request(work[i], i, args), new_record(i), t0, timeout, metadata)
+
+            await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        wall = time.perf_counter() - t0
+        progress.cancel()
+        after = _scrape_prefix(args.metrics_url)
+    prefix = None
+    if before is not None and after is not None:
+        prefix = (after[0] - before[0], after[1] - before[1])
+    return records, wall, prefix
+
+
+async def _progress(records: list[Record], t0: float, total: int, quiet: bool) -> None:
+    if quiet or not sys.stderr.isatty():
+        return
+    while True:
+        done = sum(1 for r in records if r.end)
+        toks = sum(r.output_tokens for r in records)
+        el = time.perf_counter() - t0
+        width = 30
+        frac = min(1.0, done / total) if total else 0.0
+        bar = "#" * int(frac * width) + "-" * (width - int(frac * width))
+        sys.stderr.write(f"\r[{bar}] {done}/{total} req  {toks / el if el else 0:.0f} tok/s  {el:.0f}s ")
+        sys.stderr.flush()
+        await asyncio.sleep(0.5)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvserve bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--address", default="127.0.0.1:50051", help="gRPC address of kvserve (default: %(default)s)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--rate", type=float, default=0.0, help="open loop: Poisson arrivals per second")
+    mode.add_argument("--concurrency", type=int, default=8, help="closed loop: concurrent streams (default: %(default)s)")
+    p.add_argument("--num-requests", type=int, default=64, help="requests to send (default: %(default)s; 0 = until --duration)")
+    p.add_argument("--duration", type=float, default=0.0, help="stop sending after this many seconds (0 = no limit)")
+    p.add_argument("--prompt-len", default="128", help="prompt tokens, N or LO:HI uniform (default: %(default)s)")
+    p.add_argument("--output-len", default="128", help="max_new_tokens, N or LO:HI uniform (default: %(default)s)")
+    p.add_argument("--prompts-file", help="JSONL with {\"prompt\": text, \"max_new_tokens\": n} per line")
+    p.add_argument("--shared-prefix", type=int, default=0, help="k shared system prompts (0 = none)")
+    p.add_argument("--prefix-len", type=int, default=512, help="tokens per shared system prompt (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="generate exactly max_new_tokens (default: on)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--request-timeout", type=float, default=600.0, help="per-request deadline in s (0 = none)")
+    p.add_argument("--metrics-url", help="memsvc /metrics URL for the prefix hit rate, e.g. http://127.0.0.1:9401/metrics")
+    p.add_argument("--auth-token", help="bearer token, if the server requires one")
+    p.add_argument("--json", help="write the summary and raw per-request records here")
+    p.add_argument("--plot", help="write a PNG of latency CDFs and throughput over time here")
+    p.add_argument("--quiet", action="store_true", help="no progress line")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        for text, name in ((args.prompt_len, "prompt-len"), (args.output_len, "output-len")):
+            _parse_range(text, name)
+        if args.concurrency <= 0 or args.rate < 0 or args.num_requests < 0 or args.duration < 0:
+            raise ValueError("--concurrency must be > 0; --rate, --num-requests, --duration >= 0")
+        if not args.num_requests and not args.duration:
+            raise ValueError("give --num-requests or --duration")
+        if args.prompts_file and not Path(args.prompts_file).is_file():
+            raise ValueError(f"--prompts-file {args.prompts_file}: no such file")
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
+        records, wall, prefix = asyncio.run(run(args))
+    except grpc.aio.AioRpcError as exc:
+        print(f"kvserve bench: {args.address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
+        print(f"kvserve bench: {exc}", file=sys.stderr)
+        return 2
+    if not args.quiet and sys.stderr.isatty():
+        sys.stderr.write("\n")
+    summary = summarize(records, wall, prefix)
+    print(format_table(summary))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"summary": summary, "records": [asdict(r) for r in records]}, indent=1))
+    if args.plot:
+        plot(records, args.plot)
+    return 0 if summary["ok"] else 1
