@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 REPLACEMENT = "\ufffd"
+WINDOW = 6  # ids kept as decoding context when the window slides
 
 
 class IncrementalDetokenizer:
@@ -27,8 +28,8 @@ class IncrementalDetokenizer:
     def __init__(self, decode: Callable[[list[int]], str], context_ids: Sequence[int] = ()) -> None:
         self._decode = decode
         self._ids: list[int] = list(context_ids)
-        self._prefix = 0  # start of the window decoded for context
-        self._read = len(self._ids)  # ids before this have been emitted as text
+        self._prefix = 0  # first id of the decoded window
+        self._emitted = len(decode(self._ids))  # characters of the window already emitted
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Add new token ids; return the text they complete ("" while a character is partial)."""
@@ -40,15 +41,14 @@ class IncrementalDetokenizer:
         return self._advance(final=True)
 
     def _advance(self, *, final: bool) -> str:
-        if self._read >= len(self._ids):
-            return ""
-        before = self._decode(self._ids[self._prefix : self._read])
-        after = self._decode(self._ids[self._prefix :])
-        if not final and (len(after) <= len(before) or after.endswith(REPLACEMENT)):
-            return ""
-        delta = after[len(before) :]
-        self._prefix = self._read
-        self._read = len(self._ids)
+        text = self._decode(self._ids[self._prefix :])
+        safe = len(text) if final else len(text.rstrip(REPLACEMENT))
+        delta = text[self._emitted : safe] if safe > self._emitted else ""
+        self._emitted = max(self._emitted, safe)
+        if safe == len(text) and len(self._ids) - self._prefix > 2 * WINDOW:
+            # Everything is emitted: slide the window, keeping a little context.
+            self._prefix = len(self._ids) - WINDOW
+            self._emitted = len(self._decode(self._ids[self._prefix :]))
         return delta
 
 

@@ -1,0 +1,146 @@
+"""A fake runner for frontend tests: a DEALER thread that speaks kvserve.runner.messages.
+
+It "generates" the UTF-8 bytes of `reply` one token per step (the frontend runs with the
+byte tokenizer), then EOS (256). It reports the pid of its own `sleep` child in `Hello`,
+so `kill()` makes the frontend see the runner die at once. Everything it receives is
+recorded in `received` for assertions.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from kvserve.runner.messages import (
+    DOWN,
+    UP,
+    AbortReq,
+    FinishReason,
+    GenerateReq,
+    Hello,
+    RunnerStatus,
+    TokenBatch,
+    TokenOut,
+)
+
+EOS = 256
+
+
+@dataclass
+class _Req:
+    req: GenerateReq
+    produced: int = 0
+
+
+@dataclass
+class FakeRunner:
+    address: str
+    runner_id: str
+    reply: str = "Hello, wörld! 你好 and more text to fill the stream."
+    step_s: float = 0.02
+    hold: bool = False  # accept requests but never produce tokens
+    max_context_len: int = 4096
+    received: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._sleeper = subprocess.Popen(["sleep", "600"])
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._running: dict[str, _Req] = {}
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    @property
+    def pid(self) -> int:
+        return self._sleeper.pid
+
+    def generate_reqs(self) -> list[GenerateReq]:
+        with self._lock:
+            return [m for m in self.received if isinstance(m, GenerateReq)]
+
+    def aborts(self) -> list[str]:
+        with self._lock:
+            return [m.rid for m in self.received if isinstance(m, AbortReq)]
+
+    def wait_for(self, predicate, timeout: float = 5.0) -> bool:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if predicate():
+                return True
+            time.sleep(0.01)
+        return predicate()
+
+    def kill(self) -> None:
+        """Die like a killed runner: the pid disappears and nothing more is sent."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        if self._sleeper.poll() is None:
+            self._sleeper.kill()
+        self._sleeper.wait()
+
+    close = kill
+
+    def _loop(self) -> None:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, self.runner_id.encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.address)
+        sock.send(UP.encode(Hello(runner_id=self.runner_id, pid=self.pid, model="fake",
+                                  max_running=64, max_context_len=self.max_context_len)))
+        last_status = 0.0
+        next_step = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                if sock.poll(5):
+                    msg = DOWN.decode(sock.recv())
+                    with self._lock:
+                        self.received.append(msg)
+                        if isinstance(msg, GenerateReq):
+                            self._running[msg.rid] = _Req(msg)
+                        else:
+                            self._running.pop(msg.rid, None)
+                now = time.monotonic()
+                if now - last_status > 0.1:
+                    with self._lock:
+                        n = len(self._running)
+                    sock.send(UP.encode(RunnerStatus(runner_id=self.runner_id, running=n,
+                                                     waiting=0, kv_usage=0.0)))
+                    last_status = now
+                if now >= next_step:
+                    next_step = now + self.step_s
+                    outs = self._step()
+                    if outs:
+                        sock.send(UP.encode(TokenBatch(runner_id=self.runner_id, outputs=outs)))
+        finally:
+            sock.close(0)
+            ctx.term()
+
+    def _step(self) -> list[TokenOut]:
+        if self.hold:
+            return []
+        data = self.reply.encode()
+        outs = []
+        with self._lock:
+            for rid, r in list(self._running.items()):
+                p = r.req.params
+                tok = data[r.produced] if r.produced < len(data) else EOS
+                r.produced += 1
+                reason = ""
+                if tok == EOS and not p.ignore_eos:
+                    reason = FinishReason.STOP
+                elif tok in p.stop_token_ids:
+                    reason = FinishReason.STOP
+                elif r.produced >= p.max_new_tokens:
+                    reason = FinishReason.LENGTH
+                outs.append(TokenOut(rid=rid, token_ids=[tok], finish_reason=reason,
+                                     prompt_tokens=len(r.req.token_ids), cached_tokens=2,
+                                     completion_tokens=r.produced,
+                                     queue_time=0.001 if r.produced == 1 else 0.0))
+                if reason:
+                    del self._running[rid]
+        return outs
