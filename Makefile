@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # (CUDA) build from PyPI.
 TORCH_SPEC := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
 
-.PHONY: install serve test protos lint bench bench-kvserve clean
+.PHONY: install serve test protos lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -27,6 +27,10 @@ test: $(STAMP)
 
 protos: $(STAMP)
 	$(VPY) -m kvserve.v1.generate_stubs
+
+# The comparison with HF transformers and llama-cpp-python; writes its table into README.
+bench: $(STAMP)
+	$(VPY) bench/compare.py --readme $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check kvserve tests bench
