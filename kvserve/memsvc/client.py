@@ -1,0 +1,189 @@
+"""`MemClient`: how a runner talks to memsvc (attach, step, heartbeats, detach).
+
+One DEALER socket for requests from the caller's thread, and a second DEALER owned by a
+heartbeat thread that sends `Heartbeat` every `HEARTBEAT_INTERVAL_S` while attached, so
+a long forward pass never loses the lease. After `attach` the shared buffers are mapped:
+`k_buffer`, `v_buffer` (writable) and `req_to_token` (runners must only read it).
+
+This module knows nothing about the runner's scheduler or the pool's internals.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+
+import torch
+import zmq
+
+from kvserve.memsvc.protocol import (
+    CODEC,
+    Admit,
+    Attach,
+    AttachReply,
+    Commit,
+    Detach,
+    ErrorReply,
+    Grow,
+    Heartbeat,
+    Layout,
+    Release,
+    Stats,
+    StatsReply,
+    Step,
+    StepReply,
+)
+from kvserve.memsvc.sharing import open_buffer
+from kvserve.wire import WireError
+
+HEARTBEAT_INTERVAL_S = 0.3
+
+__all__ = [
+    "Admit", "Commit", "Grow", "Layout", "MemClient", "MemsvcError", "MemsvcUnavailable",
+    "Release", "StepReply",
+]
+
+
+class MemsvcError(RuntimeError):
+    """memsvc refused a request (the message names why)."""
+
+
+class MemsvcUnavailable(MemsvcError):
+    """memsvc did not answer in time: fail in-flight work and re-attach."""
+
+
+class MemClient:
+    """A runner's connection to one memsvc."""
+
+    def __init__(self, address: str, name: str = "runner", timeout_s: float = 5.0) -> None:
+        self.address = address
+        self.name = name
+        self.timeout_s = timeout_s
+        self.layout: Layout | None = None
+        self.lease: int | None = None
+        self.k_buffer: torch.Tensor | None = None
+        self.v_buffer: torch.Tensor | None = None
+        self.req_to_token: torch.Tensor | None = None
+        self.lease_lost = False
+        self._usage = 0.0
+        self._ctx = zmq.Context()
+        self._sock: zmq.Socket | None = None
+        self._hb_stop = threading.Event()
+        self._hb_thread: threading.Thread | None = None
+
+    # ---- plumbing --------------------------------------------------------------
+    def _socket(self) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.connect(self.address)
+        return sock
+
+    def _request(self, msg: object, sock: zmq.Socket | None = None) -> object:
+        own = sock is None
+        if own:
+            if self._sock is None:
+                self._sock = self._socket()
+            sock = self._sock
+        sock.send(CODEC.encode(msg))
+        if not sock.poll(int(self.timeout_s * 1000)):
+            if own:  # a late reply must not be read as the answer to the next request
+                self._sock.close(0)
+                self._sock = None
+            raise MemsvcUnavailable(f"memsvc at {self.address} did not answer within {self.timeout_s} s")
+        try:
+            reply = CODEC.decode(sock.recv())
+        except WireError as exc:
+            raise MemsvcError(f"undecodable reply from memsvc: {exc}") from None
+        if isinstance(reply, ErrorReply):
+            raise MemsvcError(reply.error)
+        return reply
+
+    # ---- public API -------------------------------------------------------------
+    def attach(self, *, n_layers: int, n_kv_heads: int, head_dim: int, dtype: str = "float32") -> Layout:
+        """Start a lease, check the layout, map the shared buffers; returns the pool's Layout."""
+        if self.lease is not None:
+            self.detach()
+        reply = self._request(Attach(name=self.name, pid=os.getpid(), host=socket.gethostname(),
+                                     n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                                     dtype=dtype))
+        assert isinstance(reply, AttachReply)
+        try:
+            tensors = {h.name: open_buffer(h) for h in reply.buffers}
+        except (OSError, ValueError) as exc:
+            raise MemsvcError(f"attach: cannot map memsvc buffers: {exc}") from None
+        self.k_buffer = tensors["k_buffer"]
+        self.v_buffer = tensors["v_buffer"]
+        self.req_to_token = tensors["req_to_token"]
+        self.layout, self.lease, self._usage = reply.layout, reply.lease, reply.kv_usage
+        self.lease_lost = False
+        self._hb_stop.clear()
+        self._hb_thread = threading.Thread(target=self._heartbeat_loop, args=(reply.lease,),
+                                           name=f"memsvc-heartbeat-{self.name}", daemon=True)
+        self._hb_thread.start()
+        return reply.layout
+
+    def step(self, admit: list[Admit] | None = None, grow: list[Grow] | None = None,
+             commit: list[Commit] | None = None, release: list[Release] | None = None) -> StepReply:
+        """One round trip carrying the whole batch's needs (processed release, commit, grow, admit)."""
+        if self.lease is None:
+            raise MemsvcError("step: not attached")
+        reply = self._request(Step(lease=self.lease, admit=admit or [], grow=grow or [],
+                                   commit=commit or [], release=release or []))
+        assert isinstance(reply, StepReply)
+        self._usage = reply.kv_usage
+        return reply
+
+    def stats(self) -> StatsReply:
+        """A snapshot of the pool (works attached or not)."""
+        reply = self._request(Stats())
+        assert isinstance(reply, StatsReply)
+        return reply
+
+    def kv_usage(self) -> float:
+        """Pool usage 0..1 from the last reply (no round trip)."""
+        return self._usage
+
+    def detach(self) -> None:
+        """End the lease: memsvc frees every row it still holds (nothing is committed)."""
+        self._stop_heartbeat()
+        lease, self.lease = self.lease, None
+        self.k_buffer = self.v_buffer = self.req_to_token = None
+        if lease is not None:
+            try:
+                self._request(Detach(lease=lease))
+            except MemsvcError:
+                pass  # memsvc gone or lease already reclaimed: nothing left to free
+
+    def close(self) -> None:
+        """Detach if attached and close the sockets."""
+        if self.lease is not None:
+            self.detach()
+        self._stop_heartbeat()
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+        self._ctx.term()
+
+    # ---- heartbeats -------------------------------------------------------------
+    def _stop_heartbeat(self) -> None:
+        self._hb_stop.set()
+        if self._hb_thread is not None and self._hb_thread is not threading.current_thread():
+            self._hb_thread.join(timeout=self.timeout_s + 1)
+        self._hb_thread = None
+
+    def _heartbeat_loop(self, lease: int) -> None:
+        sock = self._socket()
+        try:
+            while not self._hb_stop.wait(HEARTBEAT_INTERVAL_S):
+                try:
+                    reply = self._request(Heartbeat(lease=lease), sock)
+                    self._usage = getattr(reply, "kv_usage", self._usage)
+                except MemsvcUnavailable:
+                    sock.close(0)
+                    sock = self._socket()
+                except MemsvcError:
+                    self.lease_lost = True
+                    return
+        finally:
+            sock.close(0)

@@ -1,0 +1,53 @@
+"""Prometheus metrics of one memsvc process, in a registry of its own.
+
+This module knows the metric names and nothing about how the pool works.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+STEP_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 1.0)
+
+
+class MemsvcMetrics:
+    """The `kvserve_*` metrics memsvc exports; `registry` is served on the metrics port."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.slots = Gauge("kvserve_kv_cache_slots", "KV slots by state", ["state"], registry=r)
+        self.usage = Gauge("kvserve_kv_cache_usage_ratio",
+                           "Fraction of KV slots in use and not evictable", registry=r)
+        self.queries = Counter("kvserve_prefix_cache_queries",
+                               "Prompt tokens looked up in the prefix cache", registry=r)
+        self.hits = Counter("kvserve_prefix_cache_hits",
+                            "Prompt tokens found in the prefix cache", registry=r)
+        self.step_latency = Histogram("kvserve_memsvc_step_latency_seconds",
+                                      "Time memsvc spends handling one step message",
+                                      buckets=STEP_BUCKETS, registry=r)
+        self.clients = Gauge("kvserve_memsvc_clients", "Attached runners (live leases)", registry=r)
+        self.reclaimed = Counter("kvserve_memsvc_leases_reclaimed",
+                                 "Leases reclaimed after a runner stopped heartbeating or died",
+                                 registry=r)
+        self.violations = Counter("kvserve_memsvc_invariant_violations",
+                                  "Pool invariant violations found (and repaired) by check_integrity",
+                                  registry=r)
+        self.bad_messages = Counter("kvserve_memsvc_bad_messages",
+                                    "Malformed or invalid messages and step items", registry=r)
+        self.info = Info("kvserve_memsvc", "memsvc build and pool settings", registry=r)
+        self._queried = 0
+        self._hit = 0
+
+    def set_pool(self, *, free: int, request: int, cached: int, usage: float,
+                 queried: int, hit: int) -> None:
+        """Refresh the pool gauges and advance the prefix counters to the tree's totals."""
+        self.slots.labels(state="free").set(free)
+        self.slots.labels(state="request").set(request)
+        self.slots.labels(state="cached").set(cached)
+        self.usage.set(usage)
+        if queried > self._queried:
+            self.queries.inc(queried - self._queried)
+            self._queried = queried
+        if hit > self._hit:
+            self.hits.inc(hit - self._hit)
+            self._hit = hit

@@ -1,0 +1,183 @@
+"""`kvserve memsvc`: the ZMQ ROUTER loop around `MemsvcService`, metrics port, signals.
+
+Binds ``ipc://<runtime_dir>/memsvc.sock`` (socket file 0600 in a 0700 directory) unless
+``--address`` says otherwise; answers every frame; reaps dead leases and checks the pool's
+invariants while idle; speaks sd_notify (READY, WATCHDOG, STOPPING). SIGTERM/SIGINT stop
+it cleanly (socket file removed, exit 0).
+
+This module knows nothing about pool internals beyond what `MemsvcService` offers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import zmq
+from prometheus_client import start_http_server
+
+from kvserve import sdnotify
+from kvserve.config import ConfigError, add_dataclass_flags, config_from_args
+from kvserve.memsvc.config import MemsvcConfig, resolve_shape
+from kvserve.memsvc.protocol import CODEC, Stats
+from kvserve.memsvc.service import MemsvcService
+from kvserve.paths import runtime_dir
+
+log = logging.getLogger("kvserve.memsvc")
+
+POLL_MS = 100
+REAP_INTERVAL_S = 0.2
+IDLE_AFTER_S = 0.2
+
+
+def default_address(explicit_runtime_dir: str | None = None) -> str:
+    """The default memsvc address: ipc://<runtime_dir>/memsvc.sock."""
+    return f"ipc://{runtime_dir(explicit_runtime_dir) / 'memsvc.sock'}"
+
+
+def _claim_ipc_path(ctx: zmq.Context, address: str) -> Path:
+    """Refuse a socket path another live memsvc serves; remove a stale one."""
+    path = Path(address[len("ipc://"):])
+    if path.exists():
+        probe = ctx.socket(zmq.DEALER)
+        probe.linger = 0
+        probe.connect(address)
+        probe.send(CODEC.encode(Stats()))
+        alive = probe.poll(300) != 0
+        probe.close()
+        if alive:
+            raise OSError(f"another memsvc is serving at {address}")
+        path.unlink()
+    return path
+
+
+class MemsvcServer:
+    """One bound ROUTER socket serving one `MemsvcService` until `stop()`."""
+
+    def __init__(self, service: MemsvcService, address: str, *, integrity_interval_s: float = 1.0) -> None:
+        self.service = service
+        self.address = address
+        self.integrity_interval_s = integrity_interval_s
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.linger = 0
+        self._ipc_path: Path | None = None
+        if address.startswith("ipc://"):
+            self._ipc_path = _claim_ipc_path(self.ctx, address)
+            self._ipc_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            old = os.umask(0o177)
+            try:
+                self.sock.bind(address)
+            finally:
+                os.umask(old)
+            os.chmod(self._ipc_path, 0o600)
+        else:
+            self.sock.bind(address)
+        self._running = True
+
+    def stop(self, *_: object) -> None:
+        self._running = False
+
+    def serve(self) -> None:
+        """Answer requests until stop(); reap leases, check integrity, feed the watchdog."""
+        svc, sock = self.service, self.sock
+        watchdog = sdnotify.watchdog_interval_s()
+        now = time.monotonic()
+        last_msg = last_reap = last_check = last_dog = now
+        while self._running:
+            if sock.poll(POLL_MS):
+                while True:
+                    try:
+                        parts = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                    except zmq.Again:
+                        break
+                    ident = parts[0]
+                    if len(parts) != 2:
+                        reply = svc.bad(f"bad message: expected 1 frame per message, got {len(parts) - 1}")
+                    else:
+                        reply = svc.handle(parts[1])
+                    sock.send_multipart([ident, reply])
+                last_msg = time.monotonic()
+            now = time.monotonic()
+            if now - last_reap >= REAP_INTERVAL_S:
+                svc.reap(now)
+                last_reap = now
+            if now - last_msg >= IDLE_AFTER_S and now - last_check >= self.integrity_interval_s:
+                svc.check()
+                last_check = now
+            if watchdog is not None and now - last_dog >= watchdog:
+                sdnotify.notify("WATCHDOG=1")
+                last_dog = now
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+        if self._ipc_path is not None:
+            self._ipc_path.unlink(missing_ok=True)
+        self.service.close()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve memsvc", description="Run the KV memory service.")
+    parser.add_argument("--config", default=None, help="TOML file with a [memsvc] table")
+    add_dataclass_flags(parser, MemsvcConfig, help={
+        "model": "model (.gguf or HF dir) whose KV layout to serve; default: embedded model",
+        "kv_tokens": "pool size in tokens", "kv_memory": "pool size in bytes, e.g. 2GiB",
+        "address": "ipc://PATH or tcp://127.0.0.1:PORT (default: ipc://<runtime dir>/memsvc.sock)",
+        "metrics_port": "Prometheus port (0 = off)", "policy": "reserve | optimistic",
+    })
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `kvserve memsvc`."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        cfg = config_from_args(MemsvcConfig, args, section="memsvc", toml_path=args.config)
+        shape = resolve_shape(cfg)
+        address = cfg.address or default_address(cfg.runtime_dir)
+    except (ConfigError, PermissionError) as exc:
+        print(f"kvserve memsvc: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        service = MemsvcService(shape, policy=cfg.policy, grow_chunk=cfg.grow_chunk, device=cfg.device,
+                                lease_timeout_s=cfg.lease_timeout_s)
+    except (RuntimeError, ValueError, OSError) as exc:
+        print(f"kvserve memsvc: error: cannot allocate the pool: {exc}", file=sys.stderr)
+        return 1
+    try:
+        server = MemsvcServer(service, address, integrity_interval_s=cfg.integrity_interval_s)
+    except (zmq.ZMQError, OSError) as exc:
+        service.close()
+        print(f"kvserve memsvc: error: cannot bind {address}: {exc}", file=sys.stderr)
+        return 1
+    http = None
+    try:
+        if cfg.metrics_port:
+            http, _ = start_http_server(cfg.metrics_port, addr=cfg.metrics_host,
+                                        registry=service.metrics.registry)
+    except OSError as exc:
+        server.close()
+        print(f"kvserve memsvc: error: metrics port {cfg.metrics_port}: {exc}", file=sys.stderr)
+        return 1
+    signal.signal(signal.SIGTERM, server.stop)
+    signal.signal(signal.SIGINT, server.stop)
+    print(f"memsvc ready address={address} slots={shape.size} page_size={shape.page_size} "
+          f"policy={cfg.policy} device={cfg.device} metrics_port={cfg.metrics_port}", flush=True)
+    sdnotify.notify("READY=1")
+    try:
+        server.serve()
+    finally:
+        sdnotify.notify("STOPPING=1")
+        server.close()
+        if http is not None:
+            http.shutdown()
+            http.server_close()
+    log.info("memsvc stopped")
+    return 0

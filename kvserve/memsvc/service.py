@@ -1,0 +1,255 @@
+"""The memsvc message handlers: one frame in, one frame out, plus lease reaping.
+
+`MemsvcService` owns the storage, the `Pool` and the leases; `handle(frame)` decodes a
+request, applies it and returns the encoded reply (an `ErrorReply` naming the problem
+for anything malformed or invalid, with no state change). It never raises on bad input.
+
+This module knows nothing about ZMQ sockets, signals or the command line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvserve import __version__
+from kvserve.memsvc.config import PoolShape
+from kvserve.memsvc.integrity import check_integrity
+from kvserve.memsvc.metrics import MemsvcMetrics
+from kvserve.memsvc.policy import make_policy
+from kvserve.memsvc.pool import ItemError, Pool
+from kvserve.memsvc.protocol import (
+    CODEC,
+    Attach,
+    AttachReply,
+    Detach,
+    DetachReply,
+    ErrorReply,
+    Heartbeat,
+    HeartbeatReply,
+    Layout,
+    Stats,
+    StatsReply,
+    Step,
+    StepReply,
+)
+from kvserve.memsvc.storage import KVStorage, ReqToTokenPool
+from kvserve.wire import WireError
+
+log = logging.getLogger("kvserve.memsvc")
+
+
+@dataclass(slots=True)
+class Lease:
+    """One attached client."""
+
+    lease: int
+    name: str
+    pid: int
+    local: bool
+    last_seen: float
+
+
+def _pid_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] == "Z"  # a zombie is dead
+    except OSError:
+        return True
+
+
+class MemsvcService:
+    """Pool state, leases and the handlers of every request type."""
+
+    def __init__(self, shape: PoolShape, *, policy: str, grow_chunk: int, device: str,
+                 lease_timeout_s: float, local_pids: bool = True) -> None:
+        self.layout = Layout(
+            n_layers=shape.n_layers, n_kv_heads=shape.n_kv_heads, head_dim=shape.head_dim,
+            dtype=shape.dtype, size=shape.size, page_size=shape.page_size,
+            max_reqs=shape.max_reqs, max_context_len=shape.max_context_len, device=device,
+            policy=policy, grow_chunk=grow_chunk,
+        )
+        self.kv = KVStorage(n_layers=shape.n_layers, size=shape.size, n_kv_heads=shape.n_kv_heads,
+                            head_dim=shape.head_dim, dtype=shape.dtype, device=device)
+        self.table = ReqToTokenPool(max_reqs=shape.max_reqs, max_context_len=shape.max_context_len,
+                                    device=device)
+        self.pool = Pool(size=shape.size, page_size=shape.page_size, max_reqs=shape.max_reqs,
+                         max_context_len=shape.max_context_len,
+                         policy=make_policy(policy, grow_chunk), req_to_token=self.table.req_to_token)
+        self.metrics = MemsvcMetrics()
+        self.metrics.info.info({"version": __version__, "policy": policy, "device": device,
+                                "page_size": str(shape.page_size), "slots": str(shape.size)})
+        self.lease_timeout_s = lease_timeout_s
+        self.local_pids = local_pids
+        self.leases: dict[int, Lease] = {}
+        self.reclaimed = 0
+        self.violations = 0
+        self.bad_messages = 0
+        self._cuda = torch.device(device).type == "cuda"
+        self._host = socket.gethostname()
+        self._handlers: dict[type, Callable[[Any], Any]] = {
+            Attach: self._attach, Step: self._step, Heartbeat: self._heartbeat,
+            Detach: self._detach, Stats: self._stats,
+        }
+        self.refresh_metrics()
+
+    # ---- entry points ---------------------------------------------------------
+    def handle(self, frame: bytes) -> bytes:
+        """Decode, apply and answer one request frame."""
+        try:
+            msg = CODEC.decode(frame)
+            handler = self._handlers.get(type(msg))
+            if handler is None:
+                raise WireError(f"type: {type(msg).__name__} is a reply, not a request")
+        except WireError as exc:
+            return self.bad(f"bad message: {exc}")
+        start = time.perf_counter()
+        reply = handler(msg)
+        if isinstance(reply, ErrorReply):
+            self._count_bad(reply.error)
+        if isinstance(msg, Step):
+            self.metrics.step_latency.observe(time.perf_counter() - start)
+        self.refresh_metrics()
+        return CODEC.encode(reply)
+
+    def bad(self, error: str) -> bytes:
+        """Count a bad message and return the encoded ErrorReply."""
+        self._count_bad(error)
+        return CODEC.encode(ErrorReply(error))
+
+    def _count_bad(self, error: str, n: int = 1) -> None:
+        self.bad_messages += n
+        self.metrics.bad_messages.inc(n)
+        log.warning("memsvc: %s", error)
+
+    def reap(self, now: float | None = None) -> int:
+        """Reclaim leases that stopped heartbeating or whose local pid is gone."""
+        now = time.monotonic() if now is None else now
+        gone = [lease for lease in self.leases.values()
+                if now - lease.last_seen > self.lease_timeout_s
+                or (lease.local and self.local_pids and _pid_gone(lease.pid))]
+        for lease in gone:
+            rows = self.pool.drop_lease(lease.lease)
+            del self.leases[lease.lease]
+            self.reclaimed += 1
+            self.metrics.reclaimed.inc()
+            log.warning("memsvc: reclaimed lease of %s (pid %d): %d rows", lease.name, lease.pid, rows)
+        if gone:
+            self.refresh_metrics()
+        return len(gone)
+
+    def check(self) -> list[str]:
+        """check_integrity with logging, counting and repair."""
+        problems = check_integrity(self.pool, repair=True)
+        for text in problems:
+            log.error("memsvc: invariant violation (repaired where possible): %s", text)
+        if problems:
+            self.violations += len(problems)
+            self.metrics.violations.inc(len(problems))
+            self.refresh_metrics()
+        return problems
+
+    def refresh_metrics(self) -> None:
+        p = self.pool
+        self.metrics.set_pool(free=p.free_slots, request=p.request_slots, cached=p.cached_slots,
+                              usage=p.kv_usage(), queried=p.tree.queried_tokens, hit=p.tree.hit_tokens)
+        self.metrics.clients.set(len(self.leases))
+
+    def close(self) -> None:
+        self.kv.close()
+        self.table.close()
+
+    # ---- handlers ---------------------------------------------------------------
+    def _lease(self, lease_id: int) -> Lease | None:
+        lease = self.leases.get(lease_id)
+        if lease is not None:
+            lease.last_seen = time.monotonic()
+        return lease
+
+    def _unknown(self, lease_id: int) -> ErrorReply:
+        return ErrorReply(f"lease {lease_id}: unknown lease (expired, detached or never attached); re-attach")
+
+    def _attach(self, msg: Attach) -> AttachReply | ErrorReply:
+        mine = self.layout
+        wrong = [f"{name} {got!r} != pool's {want!r}" for name, got, want in (
+            ("n_layers", msg.n_layers, mine.n_layers), ("n_kv_heads", msg.n_kv_heads, mine.n_kv_heads),
+            ("head_dim", msg.head_dim, mine.head_dim), ("dtype", msg.dtype, mine.dtype)) if got != want]
+        if wrong:
+            return ErrorReply("attach: layout mismatch: " + ", ".join(wrong))
+        lease_id = secrets.randbits(62)
+        local = msg.host == self._host and msg.pid > 0
+        self.leases[lease_id] = Lease(lease_id, msg.name, msg.pid, local, time.monotonic())
+        log.info("memsvc: attached %s (pid %d) lease %d", msg.name, msg.pid, lease_id)
+        return AttachReply(lease=lease_id, layout=mine,
+                           buffers=self.kv.handles() + self.table.handles(),
+                           kv_usage=self.pool.kv_usage())
+
+    def _step(self, msg: Step) -> StepReply | ErrorReply:
+        if self._lease(msg.lease) is None:
+            return self._unknown(msg.lease)
+        pool, errors = self.pool, []
+        for rel in msg.release:
+            try:
+                pool.release(msg.lease, rel)
+            except ItemError as exc:
+                errors.append(str(exc))
+        for com in msg.commit:
+            try:
+                pool.commit(msg.lease, com)
+            except ItemError as exc:
+                errors.append(str(exc))
+        grown = []
+        for item in msg.grow:
+            try:
+                grown.append(pool.grow(msg.lease, item))
+            except ItemError as exc:
+                errors.append(str(exc))
+        admitted = []
+        for adm in msg.admit:
+            try:
+                admitted.append(pool.admit(msg.lease, adm))
+            except ItemError as exc:
+                errors.append(str(exc))
+        if errors:
+            self._count_bad("; ".join(errors), len(errors))
+        if self._cuda:
+            torch.cuda.synchronize()
+        return StepReply(admitted=admitted, grown=grown, errors=errors, kv_usage=pool.kv_usage())
+
+    def _heartbeat(self, msg: Heartbeat) -> HeartbeatReply | ErrorReply:
+        if self._lease(msg.lease) is None:
+            return self._unknown(msg.lease)
+        return HeartbeatReply(kv_usage=self.pool.kv_usage())
+
+    def _detach(self, msg: Detach) -> DetachReply | ErrorReply:
+        lease = self.leases.pop(msg.lease, None)
+        if lease is None:
+            return self._unknown(msg.lease)
+        log.info("memsvc: detached %s (pid %d)", lease.name, lease.pid)
+        return DetachReply(rows_released=self.pool.drop_lease(msg.lease))
+
+    def _stats(self, msg: Stats) -> StatsReply:
+        p = self.pool
+        return StatsReply(
+            policy=self.layout.policy, slots_total=p.allocator.usable_slots,
+            slots_free=p.free_slots, slots_request=p.request_slots, slots_cached=p.cached_slots,
+            slots_evictable=p.tree.evictable_size, rows_used=len(p.rows),
+            clients=len(self.leases), leases=[lease.name for lease in self.leases.values()],
+            leases_reclaimed=self.reclaimed, invariant_violations=self.violations,
+            bad_messages=self.bad_messages, prefix_queried_tokens=p.tree.queried_tokens,
+            prefix_hit_tokens=p.tree.hit_tokens, kv_usage=p.kv_usage(),
+        )
