@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,12 @@ SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_kernels.py"
 def bench():
     spec = importlib.util.spec_from_file_location("gpu_kernels_bench", SCRIPT)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        del sys.modules[spec.name]
 
 
 def test_peak_by_name(bench):
