@@ -31,6 +31,7 @@ __all__ = [
     "load_config",
     "load_model",
     "load_tokenizer",
+    "load_weights",
 ]
 
 _QUANT_SUFFIX = re.compile(r"\.(i?q\d\w*|f16|f32|bf16)$", re.IGNORECASE)
@@ -144,11 +145,10 @@ def _fill(
         raise ModelLoadError(f"model {where}: missing tensor {missing[0]}{more}")
 
 
-def load_model(
-    spec: str | None, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
-) -> LoadedModel:
-    """Load weights and tokenizer of `spec` (None: the embedded default model)."""
-    path = _resolve(spec)
+def load_weights(
+    path: Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> LlamaForCausalLM:
+    """Build the model at `path` (a HF directory or a .gguf file) and fill every parameter."""
     device = torch.device(device)
     if path.is_dir():
         config = config_from_hf(_read_json(path / "config.json"), str(path / "config.json"))
@@ -160,11 +160,19 @@ def load_model(
         model = LlamaForCausalLM(config, dtype=dtype, device=device)
         tensors = ((n, t, str(path)) for n, t in ggufload.iter_tensors(reader, config, path))
         _fill(model, tensors, str(path))
-    model.eval()
-    bundle = _tokenizer_bundle(path, config)
+    return model.eval()
+
+
+def load_model(
+    spec: str | None, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> LoadedModel:
+    """Load weights and tokenizer of `spec` (None: the embedded default model)."""
+    path = _resolve(spec)
+    model = load_weights(path, dtype=dtype, device=device)
+    bundle = _tokenizer_bundle(path, model.config)
     return LoadedModel(
         model=model,
-        config=config,
+        config=model.config,
         tokenizer=bundle.tokenizer,
         eos_token_ids=bundle.eos_token_ids,
         chat_template=bundle.chat_template,
