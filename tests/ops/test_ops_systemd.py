@@ -173,3 +173,8 @@ def test_example_config_loads_into_every_process_config() -> None:
         assert any(key.removeprefix("KVSERVE_") in names for names in field_sets), key
     assert load_config(MemsvcConfig, section="memsvc", env=env).dtype == env["KVSERVE_DTYPE"]
     assert load_config(RunnerConfig, section="runner", env=env).dtype == env["KVSERVE_DTYPE"]
+
+
+@pytest.mark.parametrize("unit", SERVICES)
+def test_config_errors_are_not_restarted(unit: str) -> None:
+    assert _get(unit, "RestartPreventExitStatus") == ["2"]
