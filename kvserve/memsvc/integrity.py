@@ -69,5 +69,5 @@ def check_integrity(pool: Pool, *, repair: bool = True) -> list[str]:
             alloc.set_free_pages(np.flatnonzero(held_pages[1:] == 0)[::-1] + 1)
         for r in bad_rows:
             pool.req_to_token[r.row, : len(r.slots)] = torch.from_numpy(r.slots)
-        pool._request_slots = sum(len(r.slots) - r.cached_len for r in pool.rows.values())
+        pool.recount()
     return problems

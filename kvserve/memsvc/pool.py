@@ -202,6 +202,16 @@ class Pool:
             self._drop(row)
         return len(mine)
 
+    def evict(self, n_slots: int) -> int:
+        """Evict up to n_slots unlocked cached slots back to the free list; returns the count."""
+        freed = self.tree.evict(n_slots)
+        self.allocator.free(freed)
+        return len(freed)
+
+    def recount(self) -> None:
+        """Recompute the request-slot counter from the rows (integrity repair)."""
+        self._request_slots = sum(len(r.slots) - r.cached_len for r in self.rows.values())
+
     # ---- accounting -----------------------------------------------------------
     @property
     def free_slots(self) -> int:
