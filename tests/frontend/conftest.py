@@ -46,10 +46,12 @@ class Frontend:
         return False
 
 
-def start_frontend(runtime: Path, *extra: str) -> Frontend:
+def start_frontend(runtime: Path, *extra: str, notify_socket: str | None = None) -> Frontend:
     runtime.mkdir(mode=0o700, parents=True, exist_ok=True)
     env = dict(os.environ, KVSERVE_RUNTIME_DIR=str(runtime))
     env.pop("NOTIFY_SOCKET", None)
+    if notify_socket:
+        env["NOTIFY_SOCKET"] = notify_socket
     cmd = [sys.executable, "-m", "kvserve.runner.cli", "frontend", "--tokenizer", "bytes",
            "--port", "0", "--metrics-port", "0", "--runtime-dir", str(runtime),
            "--runner-timeout-s", "0.5", *extra]

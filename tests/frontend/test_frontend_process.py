@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import socket
 
 import grpc
 import pytest
@@ -199,3 +200,34 @@ def test_sigterm_drains_open_stream_and_exits_0(tmp_path) -> None:
         r.kill()
         stop_frontend(fe)
     assert list((tmp_path / "rt").iterdir()) == []
+
+
+def test_sd_notify_ready_only_with_a_live_runner(tmp_path) -> None:
+    path = tmp_path / "notify.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(str(path))
+        sock.settimeout(0.5)
+
+        def messages() -> list[bytes]:
+            out = []
+            while True:
+                try:
+                    out.append(sock.recv(4096))
+                except TimeoutError:
+                    return out
+
+        fe = start_frontend(tmp_path / "rt", notify_socket=str(path))
+        r = None
+        try:
+            assert fe.health_status() == NOT_SERVING  # the port answers ...
+            assert b"READY=1" not in messages()  # ... but no runner yet
+            r = fe.runner("r-notify")
+            assert fe.wait_health(SERVING)
+            assert b"READY=1" in messages()
+            fe.proc.send_signal(signal.SIGTERM)
+            assert fe.proc.wait(timeout=10) == 0
+            assert b"STOPPING=1" in messages()
+        finally:
+            if r is not None:
+                r.kill()
+            stop_frontend(fe)
