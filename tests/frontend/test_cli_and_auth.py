@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 
@@ -10,6 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from kvserve.v1 import generator_pb2 as pb
+from kvserve.v1 import generator_pb2_grpc as pb_grpc
 
 from .conftest import Frontend, start_frontend, stop_frontend
 
@@ -74,5 +76,26 @@ def test_bearer_token_auth(tmp_path) -> None:
         with pytest.raises(grpc.RpcError) as info:
             list(fe.stub.Generate(pb.GenerateRequest(), timeout=5, metadata=good))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        assert stop_frontend(fe) == 0
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl binary to make a test certificate")
+def test_tls_serves_secure_clients_only(tmp_path) -> None:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )
+    fe = start_frontend(tmp_path / "rt", "--tls-cert", str(cert), "--tls-key", str(key))
+    try:
+        creds = grpc.ssl_channel_credentials(cert.read_bytes())
+        with grpc.secure_channel(f"127.0.0.1:{fe.port}", creds) as channel:
+            info = pb_grpc.GeneratorStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
+        assert info.name == "bytes"
+        with pytest.raises(grpc.RpcError) as exc:
+            fe.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=2)  # plaintext channel
+        assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         assert stop_frontend(fe) == 0
