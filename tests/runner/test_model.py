@@ -9,14 +9,13 @@ cache and the torch attention backend must match transformers' per-prompt forwar
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
 from tinymodel import PagedKV, greedy_generate, tiny_config, write_tiny_model
 
 from kvserve.kernels import get_backend
-from kvserve.runner.model import RMSNorm, apply_rotary
+from kvserve.runner.model import LlamaForCausalLM, RMSNorm, apply_rotary
 from kvserve.runner.modelconfig import config_from_hf
 from kvserve.runner.weights import load_weights
 
@@ -29,14 +28,14 @@ LLAMA3 = {
 }
 VARIANTS = {
     "llama-tied-gqa": {},
-    "llama-untied": {"tie": False},
-    "llama-mqa": {"num_kv_heads": 1},
-    "llama-mha": {"num_kv_heads": 4},
-    "llama-attn-bias": {"attention_bias": True, "tie": False},
+    "llama-untied-mha-attn-bias": {"tie": False, "num_kv_heads": 4, "attention_bias": True},
+    "llama-mqa-linear-rope": {
+        "num_kv_heads": 1,
+        "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+    },
     "llama3-rope": {"rope_scaling": LLAMA3},
-    "linear-rope": {"rope_scaling": {"rope_type": "linear", "factor": 4.0}},
     "qwen2-qkv-bias": {"family": "qwen2"},
-    "mistral": {"family": "mistral", "tie": False},
+    "mistral-untied": {"family": "mistral", "tie": False},
 }
 PROMPTS = [[5, 17, 99, 3, 200, 41, 7], [12, 250], list(range(30, 130, 3))]
 
@@ -47,21 +46,18 @@ def backend():
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
-def variant(request, tmp_path_factory) -> tuple[str, Path]:
-    path = tmp_path_factory.mktemp(request.param)
-    return request.param, write_tiny_model(path, seed=len(request.param), **VARIANTS[request.param])
-
-
-def _hf(path: Path):
+def variant(request, tmp_path_factory) -> tuple[str, LlamaForCausalLM, torch.nn.Module]:
+    """(name, kvserve model, transformers model) loaded from the same tiny directory."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    name = request.param
+    path = write_tiny_model(tmp_path_factory.mktemp(name), seed=len(name), **VARIANTS[name])
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    return name, load_weights(path), hf
 
 
 def test_ragged_logits_match_transformers(variant, backend) -> None:
-    name, path = variant
-    model = load_weights(path)
-    hf = _hf(path)
+    name, model, hf = variant
     kv = PagedKV(model.config, max_reqs=4, max_len=64, dtype=torch.float32)
     # Rows out of order and a gap, so row/slot bookkeeping is exercised too.
     logits = kv.forward(
@@ -83,9 +79,7 @@ def test_greedy_decode_matches_transformers(variant, backend) -> None:
     Teacher forcing: one HF forward over prompt + our tokens must have our next token as
     the argmax at every step (exactly the condition for HF greedy to produce it).
     """
-    name, path = variant
-    model = load_weights(path)
-    hf = _hf(path)
+    name, model, hf = variant
     ours = greedy_generate(model, backend, PROMPTS, 10, dtype=torch.float32)
     for prompt, got in zip(PROMPTS, ours, strict=True):
         with torch.no_grad():
