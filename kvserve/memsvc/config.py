@@ -12,8 +12,8 @@ from pathlib import Path
 
 from kvserve.config import ConfigError, parse_size
 from kvserve.memsvc.policy import POLICIES
-from kvserve.memsvc.sharing import DTYPES
 
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 DEFAULT_KV_TOKENS = 16384
 DEFAULT_MAX_CONTEXT = 4096
 
@@ -44,7 +44,7 @@ class MemsvcConfig:
     integrity_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES or self.dtype == "int32":
+        if self.dtype not in DTYPE_BYTES:
             raise ConfigError(f"--dtype: {self.dtype!r} is not one of float32, float16, bfloat16")
         if self.policy not in POLICIES:
             raise ConfigError(f"--policy: {self.policy!r} is not one of {', '.join(sorted(POLICIES))}")
@@ -128,7 +128,7 @@ def resolve_shape(cfg: MemsvcConfig) -> PoolShape:
     ps = cfg.page_size
     max_ctx = cfg.max_context_len or max_pos
     max_ctx = -(-max_ctx // ps) * ps
-    per_token = 2 * n_layers * n_kv_heads * head_dim * DTYPES[cfg.dtype].itemsize
+    per_token = 2 * n_layers * n_kv_heads * head_dim * DTYPE_BYTES[cfg.dtype]
     if cfg.kv_memory is not None:
         tokens = parse_size(cfg.kv_memory) // per_token
         if tokens < ps:

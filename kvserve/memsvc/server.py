@@ -17,6 +17,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import zmq
 from prometheus_client import start_http_server
@@ -25,8 +26,10 @@ from kvserve import sdnotify
 from kvserve.config import ConfigError, add_dataclass_flags, config_from_args
 from kvserve.memsvc.config import MemsvcConfig, resolve_shape
 from kvserve.memsvc.protocol import CODEC, Stats
-from kvserve.memsvc.service import MemsvcService
 from kvserve.paths import runtime_dir
+
+if TYPE_CHECKING:
+    from kvserve.memsvc.service import MemsvcService
 
 log = logging.getLogger("kvserve.memsvc")
 
@@ -145,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, PermissionError) as exc:
         print(f"kvserve memsvc: error: {exc}", file=sys.stderr)
         return 2
+    from kvserve.memsvc.service import MemsvcService  # torch: only once the config is valid
+
     try:
         service = MemsvcService(shape, policy=cfg.policy, grow_chunk=cfg.grow_chunk, device=cfg.device,
                                 lease_timeout_s=cfg.lease_timeout_s)

@@ -94,9 +94,9 @@ def test_random_sequences_keep_invariants(ops: list[tuple[int, int]], page_size:
         elif op == 6 and reqs:  # invalid items change nothing
             req = rng.choice(reqs)
             snapshot = (pool.free_slots, pool.request_slots, pool.cached_slots)
-            for bad in (lambda: pool.release(req.lease + 1000, Release(req.rid)),
-                        lambda: pool.grow(req.lease, Grow(req.rid, MAX_CTX + 1)),
-                        lambda: pool.commit(req.lease, Commit(req.rid, req.tokens + [1] * MAX_CTX))):
+            for bad in (lambda r=req: pool.release(r.lease + 1000, Release(r.rid)),
+                        lambda r=req: pool.grow(r.lease, Grow(r.rid, MAX_CTX + 1)),
+                        lambda r=req: pool.commit(r.lease, Commit(r.rid, r.tokens + [1] * MAX_CTX))):
                 try:
                     bad()
                     raise AssertionError("invalid item accepted")
