@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import msgpack
@@ -97,12 +98,99 @@ def _to_plain(value: Any) -> Any:
     return value
 
 
+class _Fail(Exception):
+    """Raised by a compiled converter; the slow checker then finds and names the problem."""
+
+
+def _raise_fail() -> Any:
+    raise _Fail
+
+
+def _is_plain(tp: Any) -> bool:
+    """True when values of annotation `tp` hold no dataclass (encode them as they are)."""
+    if dataclasses.is_dataclass(tp):
+        return False
+    return all(_is_plain(a) for a in typing.get_args(tp))
+
+
+_SCALARS: dict[Any, tuple[type, ...]] = {bool: (bool,), int: (int,), str: (str,), bytes: (bytes,)}
+
+
+def _compile_check(tp: Any, codec: Codec) -> Callable[[Any], Any]:
+    """A fast converter for annotation `tp`: returns the value or raises _Fail."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return lambda v: v
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        optional = len(args) < len(typing.get_args(tp))
+        if len(args) != 1:
+            raise _Fail
+        inner = _compile_check(args[0], codec)
+        if not optional:
+            return inner
+        return lambda v: None if v is None else inner(v)
+    if origin is list:
+        (item,) = typing.get_args(tp) or (Any,)
+        if item in _SCALARS:
+            kinds = _SCALARS[item]
+
+            def check_scalar_list(v: Any) -> Any:
+                if type(v) is not list or not all(type(x) in kinds for x in v):
+                    raise _Fail
+                return v
+
+            return check_scalar_list
+        conv = _compile_check(item, codec)
+
+        def check_list(v: Any) -> Any:
+            if type(v) is not list:
+                raise _Fail
+            return [conv(x) for x in v]
+
+        return check_list
+    if origin is dict:
+        key_tp, val_tp = typing.get_args(tp) or (Any, Any)
+        kconv, vconv = _compile_check(key_tp, codec), _compile_check(val_tp, codec)
+
+        def check_dict(v: Any) -> Any:
+            if type(v) is not dict:
+                raise _Fail
+            return {kconv(k): vconv(x) for k, x in v.items()}
+
+        return check_dict
+    if tp in _SCALARS:
+        kinds = _SCALARS[tp]
+
+        def check_scalar(v: Any) -> Any:
+            if type(v) not in kinds:
+                raise _Fail
+            return v
+
+        return check_scalar
+    if tp is float:
+
+        def check_float(v: Any) -> Any:
+            if type(v) is float:
+                return v
+            if type(v) is int:
+                return float(v)
+            raise _Fail
+
+        return check_float
+    if dataclasses.is_dataclass(tp):
+        return codec._decoder(tp)
+    raise _Fail
+
+
 class Codec(Generic[T]):
     """Encodes and decodes one family of message dataclasses (one per socket link)."""
 
     def __init__(self, *classes: type) -> None:
         self._by_tag: dict[str, type] = {}
         self._hints: dict[type, dict[str, Any]] = {}
+        self._decoders: dict[type, Callable[[Any], Any]] = {}
+        self._encoders: dict[type, Callable[[Any], dict]] = {}
         for cls in classes:
             self.register(cls)
 
@@ -139,11 +227,90 @@ class Codec(Generic[T]):
         except (TypeError, ValueError) as exc:
             raise WireError(f"{where or cls.__name__}: {exc}") from exc
 
+    def _decoder(self, cls: type) -> Callable[[Any], Any]:
+        """The compiled decoder of `cls` (it raises _Fail on anything unexpected)."""
+        dec = self._decoders.get(cls)
+        if dec is None:
+            dec = self._decoders[cls] = self._compile_decoder(cls)
+        return dec
+
+    def _compile_decoder(self, cls: type) -> Callable[[Any], Any]:
+        """Generate a decoder for `cls`: all fields present is the common, fast case."""
+        hints = self._type_hints(cls)
+        fields = dataclasses.fields(cls)
+        env: dict[str, Any] = {"_Fail": _Fail, "cls": cls, "allowed": frozenset(f.name for f in fields) | {"type"},
+                               "fail": _raise_fail}
+        args = []
+        for i, f in enumerate(fields):
+            env[f"c{i}"] = _compile_check(hints[f.name], self)
+            tp, key = hints[f.name], f"raw[{f.name!r}]"
+            if tp in _SCALARS and len(_SCALARS[tp]) == 1:
+                # Inline the common scalar check: no call per field.
+                env[f"t{i}"] = _SCALARS[tp][0]
+                args.append(f"({key} if type({key}) is t{i} else fail())")
+            else:
+                args.append(f"c{i}({key})")
+        convs = [(f.name, env[f"c{i}"], f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+                 for i, f in enumerate(fields)]
+
+        def partial(raw: dict) -> Any:
+            kwargs = {}
+            for name, conv, required in convs:
+                if name in raw:
+                    kwargs[name] = conv(raw[name])
+                elif required:
+                    raise _Fail
+            return cls(**kwargs)
+
+        env["partial"] = partial
+        src = (
+            "def dec(raw):\n"
+            "    if type(raw) is not dict or not allowed.issuperset(raw):\n"
+            "        raise _Fail\n"
+            "    try:\n"
+            f"        return cls({', '.join(args)})\n"
+            "    except KeyError:\n"
+            "        pass\n"
+            "    except (TypeError, ValueError):\n"
+            "        raise _Fail from None\n"
+            "    try:\n"
+            "        return partial(raw)\n"
+            "    except (TypeError, ValueError):\n"
+            "        raise _Fail from None\n"
+        )
+        exec(src, env)  # generated from the dataclass's own field names only
+        return env["dec"]
+
+    def _plain(self, msg: Any) -> dict:
+        enc = self._encoders.get(type(msg))
+        if enc is None:
+            enc = self._encoders[type(msg)] = self._compile_encoder(type(msg))
+        return enc(msg)
+
+    def _compile_encoder(self, cls: type) -> Callable[[Any], dict]:
+        """Generate `msg -> dict`; nested message fields go through their own encoders."""
+        hints = self._type_hints(cls)
+        env: dict[str, Any] = {"plain": self._plain, "_to_plain": _to_plain}
+        items = []
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            get = f"m.{f.name}"
+            if _is_plain(tp):
+                items.append(f"{f.name!r}: {get}")
+            elif dataclasses.is_dataclass(tp):
+                items.append(f"{f.name!r}: plain({get})")
+            elif typing.get_origin(tp) is list and dataclasses.is_dataclass((typing.get_args(tp) or (None,))[0]):
+                items.append(f"{f.name!r}: [plain(x) for x in {get}]")
+            else:
+                items.append(f"{f.name!r}: _to_plain({get})")
+        exec(f"def enc(m):\n    return {{{', '.join(items)}}}\n", env)
+        return env["enc"]
+
     def encode(self, msg: Any) -> bytes:
         tag = type(msg).__name__
         if self._by_tag.get(tag) is not type(msg):
             raise TypeError(f"{tag} is not a message of this codec")
-        body = _to_plain(msg)
+        body = self._plain(msg)
         body["type"] = tag
         return msgpack.packb(body, use_bin_type=True)
 
@@ -163,4 +330,9 @@ class Codec(Generic[T]):
         cls = self._by_tag.get(tag)
         if cls is None:
             raise WireError(f"type: unknown message type {tag!r}")
+        try:
+            return self._decoder(cls)(raw)
+        except _Fail:
+            pass
+        # The slow checker walks the same frame again to name exactly what is wrong.
         return self._from_fields(cls, raw, "")
