@@ -87,6 +87,7 @@ class Scheduler:
         self._admit_seq = 0
         self.ran_forward = False
         self._admit_retry_at = 0.0
+        self.num_preemptions = 0
         self.rebind(mem, layout)
 
     # ---- requests in -------------------------------------------------------------------
@@ -282,6 +283,7 @@ class Scheduler:
         for req in victims:
             self.table.stop_running(req)
             self._release(req, keep_kv=True)
+            self.num_preemptions += 1
             if self.metrics is not None:
                 self.metrics.preemptions.inc()
         self.table.requeue_front(sorted(victims, key=lambda r: r.admitted_seq))

@@ -1,0 +1,343 @@
+"""`kvserve runner`: one runner worker process (model + scheduler between memsvc and the frontend).
+
+`main(argv)` reads a frozen `RunnerConfig`, loads the model, attaches to memsvc (retrying
+with backoff until it answers), connects a DEALER (identity = runner id) to the frontend's
+ROUTER, says `Hello`, then loops: take `GenerateReq` / `AbortReq` frames, run one
+`Scheduler.step()` while there is work, send the step's outputs as one `TokenBatch`.
+While idle it blocks on the frontend socket with a short timeout. A background thread
+sends `RunnerStatus` every `STATUS_INTERVAL_S` even while a long forward runs. When memsvc
+stops answering, in-flight requests fail with finish_reason "error" and the worker
+re-attaches. SIGTERM/SIGINT stop the loop; the process exits 0.
+
+The scheduling itself lives in `scheduler.py`; this module only wires processes together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+import zmq
+
+from kvserve import sdnotify
+from kvserve.config import ConfigError, add_dataclass_flags, config_from_args
+from kvserve.paths import runtime_dir
+from kvserve.runner.config import HELP, RunnerConfig, resolve_backend, resolve_device, resolve_dtype
+from kvserve.runner.messages import (
+    DOWN,
+    STATUS_INTERVAL_S,
+    UP,
+    AbortReq,
+    FinishReason,
+    GenerateReq,
+    Hello,
+    RunnerStatus,
+    TokenBatch,
+    TokenOut,
+)
+from kvserve.wire import WireError
+
+log = logging.getLogger("kvserve.runner")
+
+IDLE_POLL_MS = 50
+ATTACH_BACKOFF_S = (0.1, 2.0)
+MEMSVC_TIMEOUT_S = 5.0
+ATTACH_TIMEOUT_S = 1.0
+
+
+class Worker:
+    """The runner process's state. `setup()` loads and connects, `run()` loops until
+    `stop()`; the constructor does no I/O."""
+
+    def __init__(self, cfg: RunnerConfig) -> None:
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        self.backend_name = resolve_backend(cfg.attention_backend, self.device)
+        self.stopping = threading.Event()
+        self.lock = threading.Lock()  # guards the frontend socket (status thread + loop)
+        self.loaded: Any = None
+        self.mem: Any = None
+        self.sched: Any = None
+        self.metrics: Any = None
+        self._http: Any = None
+        self._ctx = zmq.Context()
+        self._sock: zmq.Socket | None = None
+        self._status_thread: threading.Thread | None = None
+        self.bad_frames = 0
+        self._next_attach = 0.0
+        rt = None
+        if not (cfg.memsvc_address and cfg.frontend_address):
+            rt = runtime_dir(cfg.runtime_dir or None)
+        self.memsvc_address = cfg.memsvc_address or f"ipc://{rt}/memsvc.sock"
+        self.frontend_address = cfg.frontend_address or f"ipc://{rt}/frontend.sock"
+
+    # ---- setup -------------------------------------------------------------------------
+    def setup(self) -> bool:
+        """Load the model, start metrics, attach to memsvc, connect to the frontend.
+        Returns False when stopped before memsvc answered."""
+        from kvserve.kernels import DecodeWorkspace, get_backend
+        from kvserve.runner.metrics import RunnerMetrics, serve_metrics
+        from kvserve.runner.scheduler import Scheduler, SchedulerConfig
+        from kvserve.runner.weights import load_model
+
+        cfg = self.cfg
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.loaded = load_model(cfg.model or None, dtype=getattr(torch, self.dtype), device=self.device)
+        backend = get_backend(self.backend_name)
+        self.metrics = RunnerMetrics()
+        self._http = serve_metrics(self.metrics.registry, cfg.metrics_port)
+        if not self._attach():
+            return False
+        mc = self.loaded.config
+        workspace = None
+        if self.backend_name == "triton":
+            workspace = DecodeWorkspace.create(
+                max_batch=cfg.max_running, num_q_heads=mc.num_heads, head_dim=mc.head_dim,
+                dtype=getattr(torch, self.dtype), device=self.device,
+            )
+        self.sched = Scheduler(
+            model=self.loaded.model, mem=self.mem, layout=self.mem.layout, backend=backend,
+            eos_token_ids=self.loaded.eos_token_ids, metrics=self.metrics, workspace=workspace,
+            config=SchedulerConfig(max_running=cfg.max_running, max_batch_tokens=cfg.max_batch_tokens,
+                                   chunk_size=cfg.chunk_size, seed=cfg.seed),
+        )
+        self.metrics.set_info(
+            model=self.loaded.name, device=self.device, dtype=self.dtype, backend=self.backend_name,
+            runner_id=cfg.runner_id, policy=self.mem.layout.policy,
+        )
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, cfg.runner_id.encode())
+        sock.linger = 0
+        sock.connect(self.frontend_address)
+        self._sock = sock
+        self._hello()
+        self._status_thread = threading.Thread(target=self._status_loop, name="runner-status", daemon=True)
+        self._status_thread.start()
+        return True
+
+    def _attach(self) -> bool:
+        """Attach to memsvc, retrying with backoff; False if stopped first.
+        A layout mismatch raises MemsvcError (retrying cannot fix it)."""
+        delay = ATTACH_BACKOFF_S[0]
+        while not self.stopping.is_set():
+            if self._attach_once():
+                return True
+            log.info("memsvc at %s not answering; retrying in %.1f s", self.memsvc_address, delay)
+            self.stopping.wait(delay)
+            delay = min(delay * 2, ATTACH_BACKOFF_S[1])
+        return False
+
+    def _attach_once(self) -> bool:
+        """One attach attempt (short timeout); True when attached."""
+        from kvserve.memsvc.client import MemClient, MemsvcUnavailable
+
+        mc = self.loaded.config
+        client = MemClient(self.memsvc_address, name=self.cfg.runner_id, timeout_s=ATTACH_TIMEOUT_S)
+        try:
+            client.attach(n_layers=mc.num_layers, n_kv_heads=mc.num_kv_heads,
+                          head_dim=mc.head_dim, dtype=self.dtype)
+        except MemsvcUnavailable:
+            client.close()
+            return False
+        except BaseException:
+            client.close()
+            raise
+        client.timeout_s = MEMSVC_TIMEOUT_S
+        self.mem = client
+        return True
+
+    # ---- frontend link -----------------------------------------------------------------
+    def _send(self, msg: Any) -> None:
+        assert self._sock is not None
+        with self.lock:
+            try:
+                self._sock.send(UP.encode(msg), flags=zmq.NOBLOCK)
+            except zmq.Again:
+                log.warning("frontend not reachable: dropped a %s", type(msg).__name__)
+
+    def _hello(self) -> None:
+        layout = self.mem.layout
+        self._send(Hello(runner_id=self.cfg.runner_id, pid=os.getpid(), model=self.loaded.name,
+                         max_running=self.cfg.max_running, max_context_len=layout.max_context_len))
+
+    def _status(self) -> RunnerStatus:
+        s, mem = self.sched, self.mem
+        return RunnerStatus(runner_id=self.cfg.runner_id, running=s.num_running, waiting=s.num_waiting,
+                            kv_usage=float(mem.kv_usage()) if mem is not None else 0.0,
+                            memsvc_ok=mem is not None)
+
+    def _status_loop(self) -> None:
+        while not self.stopping.wait(STATUS_INTERVAL_S * 0.8):
+            self._send(self._status())
+
+    def _receive(self, timeout_ms: int) -> None:
+        """Wait up to `timeout_ms` for frames from the frontend, then take all that are there."""
+        assert self._sock is not None
+        frames = []
+        with self.lock:
+            if self._sock.poll(timeout_ms):
+                while True:
+                    try:
+                        frames.append(self._sock.recv(flags=zmq.NOBLOCK))
+                    except zmq.Again:
+                        break
+        for frame in frames:
+            try:
+                msg = DOWN.decode(frame)
+            except WireError as exc:
+                self.bad_frames += 1
+                log.warning("bad frame from the frontend: %s", exc)
+                continue
+            if isinstance(msg, GenerateReq):
+                self.sched.add(msg)
+            elif isinstance(msg, AbortReq):
+                self.sched.abort(msg.rid)
+
+    # ---- the loop ----------------------------------------------------------------------
+    def run(self) -> int:
+        """Serve until `stop()`; returns the exit status."""
+        from kvserve.memsvc.client import MemsvcError
+
+        log.info("runner %s ready", self.cfg.runner_id)
+        print(f"runner {self.cfg.runner_id} ready", flush=True)
+        sdnotify.notify("READY=1")
+        wd_every = sdnotify.watchdog_interval_s()
+        last_wd = 0.0
+        busy = False
+        while not self.stopping.is_set():
+            self._receive(0 if busy else IDLE_POLL_MS)
+            outs: list[TokenOut] = []
+            if self.mem is None or self.mem.lease_lost:
+                outs = self._memsvc_lost("memsvc lease lost") if self.mem is not None else []
+                self._flush(outs + self.sched.drain_offline())
+                self._reattach()
+                busy = False
+                continue
+            if self.sched.has_work():
+                try:
+                    outs = self.sched.step()
+                except MemsvcError as exc:
+                    outs = self._memsvc_lost(f"memsvc unavailable: {exc}")
+                busy = self.sched.ran_forward
+            else:
+                busy = False
+            self._flush(outs)
+            if wd_every is not None and time.monotonic() - last_wd >= wd_every:
+                sdnotify.notify("WATCHDOG=1")
+                last_wd = time.monotonic()
+        sdnotify.notify("STOPPING=1")
+        self._flush(self._shutdown_outputs())
+        return 0
+
+    def _flush(self, outs: list[TokenOut]) -> None:
+        if outs:
+            self._send(TokenBatch(runner_id=self.cfg.runner_id, outputs=outs))
+
+    def _memsvc_lost(self, error: str) -> list[TokenOut]:
+        log.warning("%s: failing in-flight requests and re-attaching", error)
+        outs = self.sched.fail_running(error)
+        old, self.mem = self.mem, None
+        threading.Thread(target=old.close, daemon=True).start()  # never wait on a dead memsvc
+        return outs
+
+    def _reattach(self) -> None:
+        """One attempt at most every `ATTACH_BACKOFF_S[1]` s (the loop keeps serving the
+        frontend socket in between)."""
+        now = time.monotonic()
+        if now < self._next_attach:
+            return
+        self._next_attach = now + ATTACH_BACKOFF_S[1]
+        from kvserve.memsvc.client import MemsvcError
+
+        try:
+            attached = self._attach_once()
+        except MemsvcError as exc:
+            log.error("memsvc refused the re-attach: %s", exc)
+            return
+        if attached:
+            self.sched.rebind(self.mem, self.mem.layout)
+            self._hello()
+            log.info("runner %s re-attached to memsvc", self.cfg.runner_id)
+
+    def _shutdown_outputs(self) -> list[TokenOut]:
+        if self.sched is None:
+            return []
+        return self.sched.fail_running("runner shutting down") + [
+            TokenOut(rid=r.rid, token_ids=[], finish_reason=FinishReason.ERROR, error="runner shutting down")
+            for r in list(self.sched.table)
+        ]
+
+    def stop(self, *_: Any) -> None:
+        """Ask the loop (and a pending attach) to end; safe from a signal handler."""
+        self.stopping.set()
+
+    def close(self) -> None:
+        """Release every resource (idempotent)."""
+        self.stopping.set()
+        if self._status_thread is not None:
+            self._status_thread.join(timeout=2.0)
+        if self.mem is not None:
+            self.mem.close()
+            self.mem = None
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+        self._ctx.term()
+        if self._http is not None:
+            self._http.shutdown()
+            self._http = None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve runner", description="Run one runner worker.")
+    parser.add_argument("--config", default=None, help="TOML config file ([runner] table)")
+    add_dataclass_flags(parser, RunnerConfig, help=HELP)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `kvserve runner`."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        cfg = config_from_args(RunnerConfig, args, section="runner", toml_path=args.config)
+        worker = Worker(cfg)
+    except (ConfigError, PermissionError) as exc:
+        print(f"kvserve runner: error: {exc}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, worker.stop)
+    signal.signal(signal.SIGINT, worker.stop)
+    from kvserve.memsvc.client import MemsvcError
+    from kvserve.modelfile import ModelFileError
+    from kvserve.runner.modelconfig import ModelLoadError
+
+    try:
+        try:
+            if not worker.setup():
+                sdnotify.notify("STOPPING=1")
+                return 0
+        except (ModelLoadError, ModelFileError) as exc:
+            print(f"kvserve runner: error: model: {exc}", file=sys.stderr)
+            return 2
+        except MemsvcError as exc:
+            print(f"kvserve runner: error: memsvc: {exc}", file=sys.stderr)
+            return 2
+        except OSError as exc:
+            print(f"kvserve runner: error: {exc}", file=sys.stderr)
+            return 1
+        return worker.run()
+    finally:
+        worker.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

