@@ -1,6 +1,7 @@
 """Attention backends over the token-level KV pool.
 
-`get_backend("torch")` is the plain-torch reference (CPU backend and test oracle);
+`get_backend("torch")` is the fast plain-torch CPU backend (SDPA over gathered or viewed
+K/V), `get_backend("reference")` the obviously-correct plain-torch test oracle;
 `get_backend("triton")` runs the Triton kernels (imported lazily, so CPU-only users never
 import triton).  Both expose `attention(q, k, v, *, k_cache, v_cache, meta, sm_scale)`;
 `build_kvcache` builds the per-step `meta` (see docs/interfaces.md).
@@ -16,13 +17,14 @@ from types import ModuleType
 from kvserve.kernels.metadata import DecodeWorkspace, KVCache, build_kvcache
 
 _BACKEND_MODULES = {
-    "torch": "kvserve.kernels.reference",
+    "torch": "kvserve.kernels.cpu",
+    "reference": "kvserve.kernels.reference",
     "triton": "kvserve.kernels.triton_backend",
 }
 
 
 def get_backend(name: str) -> ModuleType:
-    """Return the backend module named `name` ("torch" or "triton")."""
+    """Return the backend module named `name` ("torch", "reference" or "triton")."""
     try:
         module = _BACKEND_MODULES[name]
     except KeyError:

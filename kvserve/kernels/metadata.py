@@ -116,6 +116,8 @@ class KVCache:
     decode_ml_part: torch.Tensor | None = None
     decode_out: torch.Tensor | None = None
     _dense: DenseIndex | None = field(default=None, repr=False)
+    backend_cache: dict[str, object] = field(default_factory=dict, repr=False)
+    """Per-step state a backend builds on first use and reuses for every layer."""
 
     def dense(self) -> DenseIndex:
         """Padded gather indices and masks for the torch backend, computed on first use."""

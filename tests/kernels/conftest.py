@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
@@ -55,8 +56,13 @@ def make_batch(
     device: str = DEVICE,
     block_q: int = 64,
     workspace: bool = True,
+    contiguous: bool = False,
 ) -> Batch:
-    """Scatter each request's sequence over random slots (slot 0 stays the dummy)."""
+    """Scatter each request's sequence over random slots (slot 0 stays the dummy).
+
+    With `contiguous`, each request gets one run of consecutive slots instead, as an
+    allocator handing out whole runs would.
+    """
     gen = torch.Generator().manual_seed(seed)
     bsz = len(prefix)
     seq = [p + e for p, e in zip(prefix, extend, strict=True)]
@@ -65,6 +71,8 @@ def make_batch(
     req_to_token = torch.zeros(bsz + 3, max_ctx, dtype=torch.int32)
     rows = torch.randperm(bsz + 3, generator=gen)[:bsz].tolist()
     perm = (torch.randperm(size - 1, generator=gen) + 1).to(torch.int32)
+    if contiguous:
+        perm = torch.arange(1, size, dtype=torch.int32)
     off = 0
     for row, n in zip(rows, seq, strict=True):
         req_to_token[row, :n] = perm[off : off + n]
@@ -93,3 +101,26 @@ def make_batch(
 def tolerance(dtype: torch.dtype) -> float:
     """Max abs error allowed against the reference: 1e-4 fp32, 2e-2 half precision."""
     return 1e-4 if dtype == torch.float32 else 2e-2
+
+
+def dense_oracle(b: Batch, sm_scale: float) -> torch.Tensor:
+    """Float64 SDPA of each request on its own dense K/V (the cache after k/v are stored)."""
+    outs = []
+    off = 0
+    for row, p, e in zip(b.rows, b.prefix, b.extend, strict=True):
+        slots = b.req_to_token[row, : p + e].long()
+        k_all = b.k_cache[slots].clone()
+        v_all = b.v_cache[slots].clone()
+        k_all[p:] = b.k[off : off + e]
+        v_all[p:] = b.v[off : off + e]
+        q = b.q[off : off + e].transpose(0, 1).double()
+        mask = torch.arange(p + e, device=q.device)[None, :] <= (
+            p + torch.arange(e, device=q.device)
+        )[:, None]
+        o = F.scaled_dot_product_attention(
+            q, k_all.transpose(0, 1).double(), v_all.transpose(0, 1).double(),
+            attn_mask=mask, scale=sm_scale, enable_gqa=True,
+        )
+        outs.append(o.transpose(0, 1))
+        off += e
+    return torch.cat(outs)

@@ -1,11 +1,10 @@
-"""reference.py (the CPU backend and oracle) against torch SDPA on dense per-request tensors."""
+"""reference.py (the test oracle) against torch SDPA on dense per-request tensors."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
-from conftest import make_batch
+from conftest import dense_oracle, make_batch
 
 from kvserve.kernels import build_kvcache, get_backend
 
@@ -18,27 +17,6 @@ CASES = [
 ]
 
 
-def dense_oracle(b, sm_scale: float) -> torch.Tensor:
-    """Attention of each request on its own dense K/V (cache after the new K/V is stored)."""
-    outs = []
-    off = 0
-    for row, p, e in zip(b.rows, b.prefix, b.extend, strict=True):
-        slots = b.req_to_token[row, : p + e].long()
-        k_all = b.k_cache[slots].clone()
-        v_all = b.v_cache[slots].clone()
-        k_all[p:] = b.k[off : off + e]
-        v_all[p:] = b.v[off : off + e]
-        q = b.q[off : off + e].transpose(0, 1).double()
-        mask = torch.arange(p + e)[None, :] <= (p + torch.arange(e))[:, None]
-        o = F.scaled_dot_product_attention(
-            q, k_all.transpose(0, 1).double(), v_all.transpose(0, 1).double(),
-            attn_mask=mask, scale=sm_scale, enable_gqa=True,
-        )
-        outs.append(o.transpose(0, 1))
-        off += e
-    return torch.cat(outs)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("prefix", "extend", "hq", "hkv", "d"), CASES)
 def test_reference_matches_sdpa(prefix, extend, hq, hkv, d, dtype):
@@ -46,7 +24,7 @@ def test_reference_matches_sdpa(prefix, extend, hq, hkv, d, dtype):
                    device="cpu", workspace=False)
     scale = 0.7 * d**-0.5
     expected = dense_oracle(b, scale)
-    out = get_backend("torch").attention(b.q, b.k, b.v, k_cache=b.k_cache, v_cache=b.v_cache,
+    out = get_backend("reference").attention(b.q, b.k, b.v, k_cache=b.k_cache, v_cache=b.v_cache,
                                          meta=b.meta, sm_scale=scale)
     assert out.dtype == dtype and out.shape == b.q.shape
     err = (out.double() - expected).abs().max().item()

@@ -1,0 +1,189 @@
+"""Fast plain-torch attention over the token-level KV pool: the production CPU backend.
+
+Same contract as `reference.attention` (store the new K/V at `meta.out_cache_loc`, then
+attend through `req_to_token`), built on `F.scaled_dot_product_attention` (the CPU flash
+kernel) instead of hand-written matmul/softmax:
+
+- decode: every decode request's K/V is gathered token-major (one `index_select` over
+  [size, Hkv * D] rows) into a step-scoped buffer reused by every layer, then one SDPA call
+  attends the whole batch.  The q heads of one KV group are laid out as that group's
+  query rows, so no K/V is repeated for GQA; a length mask is passed only when the
+  requests' lengths differ, and padding points at a real slot of the same request.
+- prefill: one SDPA call per request; when its slots are one contiguous run the cache is
+  read through a zero-copy view, otherwise gathered.  A fresh prompt uses `is_causal`,
+  a chunk after a cached prefix an explicit prefix+causal mask.
+
+The per-step host plan (slots, masks, buffers) is built on first use and kept on the
+`KVCache`.  Knows nothing about the model, memsvc or scheduling; imports only torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.kernels.metadata import KVCache
+from kvserve.kernels.reference import store_kv
+
+_PLAN_KEY = "cpu"
+
+
+@dataclass(slots=True)
+class _Prefill:
+    """One request with extend_len > 1: its query rows and where its keys live."""
+
+    q_start: int
+    q_end: int
+    prefix_len: int
+    run_start: int | None  # first slot when the slots are one contiguous run
+    slots: torch.Tensor | None  # int64 [seq] otherwise
+    mask: torch.Tensor | None  # [E, seq] bool (None: fresh prompt, use is_causal)
+
+
+@dataclass(slots=True)
+class _Plan:
+    """Host-side plan of one step, shared by every layer."""
+
+    decode_tokens: torch.Tensor | None  # int64 rows of q that are decode requests
+    decode_slots: torch.Tensor | None  # int64 [Bd * Lmax] token-major, padded with own slot
+    decode_mask: torch.Tensor | None  # [Bd, 1, 1, Lmax] bool, None when lengths are equal
+    decode_len: int
+    prefills: list[_Prefill]
+    buffers: dict[tuple[torch.dtype, int], tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict
+    )
+
+    def gather_buffers(
+        self, k_cache: torch.Tensor, num: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[num, row] K and V gather targets, allocated once per step and reused per layer."""
+        row = k_cache.shape[1] * k_cache.shape[2]
+        key = (k_cache.dtype, row)
+        bufs = self.buffers.get(key)
+        if bufs is None:
+            make = dict(dtype=k_cache.dtype, device=k_cache.device)
+            bufs = (torch.empty(num, row, **make), torch.empty(num, row, **make))
+            self.buffers[key] = bufs
+        return bufs
+
+
+def _build_plan(meta: KVCache) -> _Plan:
+    device = meta.req_to_token.device
+    rows = meta.req_pool_indices.tolist()
+    ext, pre, seq = meta.extend_lens_host, meta.prefix_lens_host, meta.seq_lens_host
+    qo = meta.qo_indptr.tolist()
+    r2t = meta.req_to_token
+    decode = [i for i, e in enumerate(ext) if e == 1]
+    prefills = []
+    for i, e in enumerate(ext):
+        if e == 1:
+            continue
+        slots = r2t[rows[i], : seq[i]].to(torch.int64)
+        first, last = int(slots[0]), int(slots[-1])
+        contiguous = last - first == seq[i] - 1 and bool(
+            torch.equal(slots, torch.arange(first, last + 1, device=device))
+        )
+        mask = None
+        if pre[i] > 0:
+            q_pos = pre[i] + torch.arange(e, device=device)
+            mask = torch.arange(seq[i], device=device)[None, :] <= q_pos[:, None]
+        prefills.append(
+            _Prefill(qo[i], qo[i + 1], pre[i], first if contiguous else None,
+                     None if contiguous else slots, mask)
+        )
+    if not decode:
+        return _Plan(None, None, None, 0, prefills)
+    lens = [seq[i] for i in decode]
+    lmax = max(lens)
+    sel = torch.tensor([rows[i] for i in decode], dtype=torch.int64, device=device)
+    slots = r2t[sel, :lmax].to(torch.int64)
+    mask = None
+    if min(lens) != lmax:
+        valid = torch.arange(lmax, device=device)[None, :] < torch.tensor(lens, device=device)[:, None]
+        slots = torch.where(valid, slots, slots[:, :1])
+        mask = valid[:, None, None, :]
+    tokens = torch.tensor([qo[i] for i in decode], dtype=torch.int64, device=device)
+    return _Plan(tokens, slots.reshape(-1), mask, lmax, prefills)
+
+
+def _plan(meta: KVCache) -> _Plan:
+    plan = meta.backend_cache.get(_PLAN_KEY)
+    if plan is None:
+        plan = _build_plan(meta)
+        meta.backend_cache[_PLAN_KEY] = plan
+    return plan  # type: ignore[return-value]
+
+
+def _decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _Plan, sm_scale: float
+) -> torch.Tensor:
+    """q [Bd, Hq, D] -> [Bd, Hq, D]: one batched SDPA over the gathered sequences."""
+    n, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    lmax = plan.decode_len
+    assert plan.decode_slots is not None
+    kbuf, vbuf = plan.gather_buffers(k_cache, plan.decode_slots.numel())
+    torch.index_select(k_cache.flatten(1), 0, plan.decode_slots, out=kbuf)
+    torch.index_select(v_cache.flatten(1), 0, plan.decode_slots, out=vbuf)
+    k = kbuf.view(n, lmax, hkv, d).transpose(1, 2)
+    v = vbuf.view(n, lmax, hkv, d).transpose(1, 2)
+    qg = q.to(k_cache.dtype).reshape(n, hkv, hq // hkv, d)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=plan.decode_mask, scale=sm_scale)
+    return out.reshape(n, hq, d)
+
+
+def _prefill(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: _Prefill, sm_scale: float
+) -> torch.Tensor:
+    """One request's query rows q [E, Hq, D] against its prefix + causal self -> [E, Hq, D]."""
+    if p.run_start is not None:
+        seq = p.prefix_len + q.shape[0]
+        k = k_cache.narrow(0, p.run_start, seq)
+        v = v_cache.narrow(0, p.run_start, seq)
+    else:
+        assert p.slots is not None
+        k = k_cache.index_select(0, p.slots)
+        v = v_cache.index_select(0, p.slots)
+    out = F.scaled_dot_product_attention(
+        q.to(k_cache.dtype).transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        attn_mask=p.mask,
+        is_causal=p.mask is None,
+        scale=sm_scale,
+        enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: KVCache,
+    sm_scale: float,
+) -> torch.Tensor:
+    """Store k/v ([T, Hkv, D]) at meta.out_cache_loc, then attend; returns [T, Hq, D]."""
+    if q.dim() != 3 or k.shape != v.shape or k.shape[0] != q.shape[0]:
+        raise ValueError(f"bad shapes q={tuple(q.shape)} k={tuple(k.shape)} v={tuple(v.shape)}")
+    if q.shape[0] != meta.num_tokens:
+        raise ValueError(f"q has {q.shape[0]} tokens, meta has {meta.num_tokens}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"q heads {q.shape[1]} not a multiple of kv heads {k.shape[1]}")
+    store_kv(k, v, k_cache=k_cache, v_cache=v_cache, out_cache_loc=meta.out_cache_loc)
+    plan = _plan(meta)
+    if meta.is_decode:
+        return _decode(q, k_cache, v_cache, plan, sm_scale).to(q.dtype)
+    out = torch.empty_like(q)
+    if plan.decode_tokens is not None:
+        out[plan.decode_tokens] = _decode(
+            q[plan.decode_tokens], k_cache, v_cache, plan, sm_scale
+        ).to(q.dtype)
+    for p in plan.prefills:
+        out[p.q_start : p.q_end] = _prefill(q[p.q_start : p.q_end], k_cache, v_cache, p, sm_scale)
+    return out
