@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import grpc
+import zmq
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -96,7 +97,32 @@ class _AuthInterceptor(grpc.aio.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(deny)
 
 
+def _bind(cfg: FrontendConfig) -> tuple[grpc.aio.Server, int]:
+    """Create the server and bind its port first, so that a taken port fails at once."""
+    interceptors = []
+    if cfg.auth_token_file:
+        token = Path(cfg.auth_token_file).read_text().strip()
+        if not token:
+            raise ConfigError(f"--auth-token-file: {cfg.auth_token_file} is empty")
+        interceptors.append(_AuthInterceptor(token))
+    server = grpc.aio.server(
+        interceptors=interceptors,
+        options=[("grpc.max_receive_message_length", cfg.max_message_bytes),
+                 ("grpc.so_reuseport", 0)],
+    )
+    bind = f"{cfg.host}:{cfg.port}"
+    try:
+        if cfg.tls_cert:
+            creds = grpc.ssl_server_credentials(
+                [(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())])
+            return server, server.add_secure_port(bind, creds)
+        return server, server.add_insecure_port(bind)
+    except RuntimeError as exc:
+        raise OSError(f"cannot listen on {bind}: {exc}") from None
+
+
 async def _serve(cfg: FrontendConfig) -> int:
+    server, port = _bind(cfg)
     tok = await asyncio.to_thread(load_frontend_tokenizer, cfg.tokenizer, cfg.model)
     metrics = FrontendMetrics()
     metrics.set_info(model=tok.name, tokenizer=cfg.tokenizer or "model")
@@ -116,17 +142,6 @@ async def _serve(cfg: FrontendConfig) -> int:
 
     dispatcher = Dispatcher(address, Router(timeout_s=cfg.runner_timeout_s), on_runners)
     service = GeneratorService(cfg, tok, dispatcher, metrics)
-    interceptors = []
-    if cfg.auth_token_file:
-        token = Path(cfg.auth_token_file).read_text().strip()
-        if not token:
-            raise ConfigError(f"--auth-token-file: {cfg.auth_token_file} is empty")
-        interceptors.append(_AuthInterceptor(token))
-    server = grpc.aio.server(
-        interceptors=interceptors,
-        options=[("grpc.max_receive_message_length", cfg.max_message_bytes),
-                 ("grpc.so_reuseport", 0)],
-    )
     pb_grpc.add_GeneratorServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -134,13 +149,6 @@ async def _serve(cfg: FrontendConfig) -> int:
          reflection.SERVICE_NAME), server)
     for name in HEALTH_NAMES:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    bind = f"{cfg.host}:{cfg.port}"
-    if cfg.tls_cert:
-        creds = grpc.ssl_server_credentials(
-            [(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())])
-        port = server.add_secure_port(bind, creds)
-    else:
-        port = server.add_insecure_port(bind)
     dispatcher.start()
     await server.start()
     print(f"frontend listening on {cfg.host}:{port}, runners connect to {address}", flush=True)
@@ -196,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"kvserve frontend: {exc}", file=sys.stderr)
         return 2
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, zmq.ZMQError) as exc:
         print(f"kvserve frontend: {exc}", file=sys.stderr)
         return 1
 
