@@ -231,3 +231,9 @@ def test_sd_notify_ready_only_with_a_live_runner(tmp_path) -> None:
             if r is not None:
                 r.kill()
             stop_frontend(fe)
+
+
+def test_oversized_request_message_is_rejected(frontend: Frontend) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        list(frontend.stub.Generate(pb.GenerateRequest(text="x" * (5 * 1024 * 1024)), timeout=10))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
