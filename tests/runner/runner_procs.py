@@ -41,6 +41,15 @@ def write_sharp_tiny_model(path: Path) -> Path:
     return path
 
 
+def sharp_tiny_dir(tmp_path_factory: Any) -> Path:
+    """The sharpened tiny model, written once per pytest session (shared by test modules)."""
+    path = tmp_path_factory.getbasetemp() / "runner-sharp-tiny"
+    if not (path / "config.json").exists():
+        write_sharp_tiny_model(path.with_name(path.name + ".tmp"))
+        path.with_name(path.name + ".tmp").rename(path)
+    return path
+
+
 def memsvc_args(config: Any, *, kv_tokens: int = 8192, policy: str = "optimistic", page_size: int = 16,
                 max_context_len: int = 512, max_reqs: int = 64, grow_chunk: int = 32) -> list[str]:
     return [
