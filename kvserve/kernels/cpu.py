@@ -4,7 +4,8 @@ Same contract as `reference.attention` (store the new K/V at `meta.out_cache_loc
 attend through `req_to_token`), built on `F.scaled_dot_product_attention` (the CPU flash
 kernel) instead of hand-written matmul/softmax:
 
-- decode: every decode request's K/V is gathered token-major (one `index_select` over
+- decode: a single request whose slots are one run is read through zero-copy views;
+  otherwise every decode request's K/V is gathered token-major (one `index_select` over
   [size, Hkv * D] rows) into a step-scoped buffer reused by every layer, then one SDPA call
   attends the whole batch.  The q heads of one KV group are laid out as that group's
   query rows, so no K/V is repeated for GQA; a length mask is passed only when the
@@ -25,9 +26,11 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.kernels.metadata import KVCache
-from kvserve.kernels.reference import store_kv
 
 _PLAN_KEY = "cpu"
+VIEW_MAX_BATCH = 1
+"""Decode batches up to this size whose requests are each one run of slots skip the gather
+(measured: a per-request view loop only wins for a single request)."""
 
 
 @dataclass(slots=True)
@@ -50,6 +53,7 @@ class _Plan:
     decode_slots: torch.Tensor | None  # int64 [Bd * Lmax] token-major, padded with own slot
     decode_mask: torch.Tensor | None  # [Bd, 1, 1, Lmax] bool, None when lengths are equal
     decode_len: int
+    decode_runs: list[tuple[int, int]] | None  # (first slot, length) per request: view path
     prefills: list[_Prefill]
     buffers: dict[tuple[torch.dtype, int], tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict
@@ -81,10 +85,8 @@ def _build_plan(meta: KVCache) -> _Plan:
         if e == 1:
             continue
         slots = r2t[rows[i], : seq[i]].to(torch.int64)
-        first, last = int(slots[0]), int(slots[-1])
-        contiguous = last - first == seq[i] - 1 and bool(
-            torch.equal(slots, torch.arange(first, last + 1, device=device))
-        )
+        first = int(slots[0])
+        contiguous = _is_run(slots, first)
         mask = None
         if pre[i] > 0:
             q_pos = pre[i] + torch.arange(e, device=device)
@@ -94,7 +96,7 @@ def _build_plan(meta: KVCache) -> _Plan:
                      None if contiguous else slots, mask)
         )
     if not decode:
-        return _Plan(None, None, None, 0, prefills)
+        return _Plan(None, None, None, 0, None, prefills)
     lens = [seq[i] for i in decode]
     lmax = max(lens)
     sel = torch.tensor([rows[i] for i in decode], dtype=torch.int64, device=device)
@@ -104,8 +106,21 @@ def _build_plan(meta: KVCache) -> _Plan:
         valid = torch.arange(lmax, device=device)[None, :] < torch.tensor(lens, device=device)[:, None]
         slots = torch.where(valid, slots, slots[:, :1])
         mask = valid[:, None, None, :]
+    runs = None
+    if len(decode) <= VIEW_MAX_BATCH:
+        firsts = slots[:, 0].tolist()
+        if all(_is_run(slots[i, : lens[i]], f) for i, f in enumerate(firsts)):
+            runs = list(zip(firsts, lens, strict=True))
     tokens = torch.tensor([qo[i] for i in decode], dtype=torch.int64, device=device)
-    return _Plan(tokens, slots.reshape(-1), mask, lmax, prefills)
+    return _Plan(tokens, slots.reshape(-1), mask, lmax, runs, prefills)
+
+
+def _is_run(slots: torch.Tensor, first: int) -> bool:
+    """Whether `slots` are `first, first + 1, ...` (one contiguous run of the pool)."""
+    n = slots.numel()
+    return int(slots[-1]) - first == n - 1 and torch.equal(
+        slots, torch.arange(first, first + n, device=slots.device)
+    )
 
 
 def _plan(meta: KVCache) -> _Plan:
@@ -122,6 +137,14 @@ def _decode(
     """q [Bd, Hq, D] -> [Bd, Hq, D]: one batched SDPA over the gathered sequences."""
     n, hq, d = q.shape
     hkv = k_cache.shape[1]
+    qg = q.to(k_cache.dtype).reshape(n, hkv, hq // hkv, d)
+    if plan.decode_runs is not None:
+        out = torch.empty_like(qg)
+        for i, (first, length) in enumerate(plan.decode_runs):
+            k = k_cache.narrow(0, first, length).transpose(0, 1)[None]
+            v = v_cache.narrow(0, first, length).transpose(0, 1)[None]
+            out[i] = F.scaled_dot_product_attention(qg[i : i + 1], k, v, scale=sm_scale)[0]
+        return out.reshape(n, hq, d)
     lmax = plan.decode_len
     assert plan.decode_slots is not None
     kbuf, vbuf = plan.gather_buffers(k_cache, plan.decode_slots.numel())
@@ -129,7 +152,6 @@ def _decode(
     torch.index_select(v_cache.flatten(1), 0, plan.decode_slots, out=vbuf)
     k = kbuf.view(n, lmax, hkv, d).transpose(1, 2)
     v = vbuf.view(n, lmax, hkv, d).transpose(1, 2)
-    qg = q.to(k_cache.dtype).reshape(n, hkv, hq // hkv, d)
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=plan.decode_mask, scale=sm_scale)
     return out.reshape(n, hq, d)
 
@@ -175,7 +197,8 @@ def attention(
         raise ValueError(f"q has {q.shape[0]} tokens, meta has {meta.num_tokens}")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"q heads {q.shape[1]} not a multiple of kv heads {k.shape[1]}")
-    store_kv(k, v, k_cache=k_cache, v_cache=v_cache, out_cache_loc=meta.out_cache_loc)
+    k_cache.index_copy_(0, meta.out_cache_loc, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.out_cache_loc, v.to(v_cache.dtype))
     plan = _plan(meta)
     if meta.is_decode:
         return _decode(q, k_cache, v_cache, plan, sm_scale).to(q.dtype)
