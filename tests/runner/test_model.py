@@ -151,3 +151,15 @@ def test_inv_freq_matches_transformers(rope) -> None:
         want, _ = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf_cfg, "cpu")
     torch.testing.assert_close(cfg.inv_freq(), want.float())
     assert not math.isnan(cfg.inv_freq().sum().item())
+
+
+def test_static_loop_matches_paged_greedy(tmp_path, backend) -> None:
+    """The benchmark baseline (dense contiguous cache) computes the same greedy tokens."""
+    from kvserve.runner.staticloop import static_generate
+
+    model = load_weights(write_tiny_model(tmp_path / "m", num_kv_heads=2))
+    prompts = [PROMPTS[2][:9], PROMPTS[2][5:14], PROMPTS[2][20:29]]
+    run = static_generate(model, torch.tensor(prompts), 8)
+    want = greedy_generate(model, backend, prompts, 8, dtype=torch.float32)
+    assert run.tokens.tolist() == want
+    assert run.tokens_per_s > 0 and run.decode_tokens_per_s > 0
