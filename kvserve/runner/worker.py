@@ -23,7 +23,6 @@ import threading
 import time
 from typing import Any
 
-import torch
 import zmq
 
 from kvserve import sdnotify
@@ -83,6 +82,8 @@ class Worker:
     def setup(self) -> bool:
         """Load the model, start metrics, attach to memsvc, connect to the frontend.
         Returns False when stopped before memsvc answered."""
+        import torch
+
         from kvserve.kernels import DecodeWorkspace, get_backend
         from kvserve.runner.metrics import RunnerMetrics, serve_metrics
         from kvserve.runner.scheduler import Scheduler, SchedulerConfig
