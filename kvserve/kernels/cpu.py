@@ -139,11 +139,12 @@ def _decode(
     hkv = k_cache.shape[1]
     qg = q.to(k_cache.dtype).reshape(n, hkv, hq // hkv, d)
     if plan.decode_runs is not None:
-        out = torch.empty_like(qg)
+        outs = []
         for i, (first, length) in enumerate(plan.decode_runs):
             k = k_cache.narrow(0, first, length).transpose(0, 1)[None]
             v = v_cache.narrow(0, first, length).transpose(0, 1)[None]
-            out[i] = F.scaled_dot_product_attention(qg[i : i + 1], k, v, scale=sm_scale)[0]
+            outs.append(F.scaled_dot_product_attention(qg[i : i + 1], k, v, scale=sm_scale))
+        out = outs[0] if n == 1 else torch.cat(outs)
         return out.reshape(n, hq, d)
     lmax = plan.decode_len
     assert plan.decode_slots is not None
