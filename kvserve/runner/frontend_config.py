@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from kvserve.config import ConfigError
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -72,7 +72,7 @@ class ServeConfig:
 
     model: str = ""
     device: str = "auto"
-    dtype: str = "float32"
+    dtype: str = "auto"  # resolved once by serve (runner.config.resolve_dtype) for every child
     runners: int = 1
     host: str = "127.0.0.1"
     port: int = 50051

@@ -30,6 +30,7 @@ from pathlib import Path
 from kvserve import sdnotify
 from kvserve.config import ConfigError, add_dataclass_flags, config_from_args
 from kvserve.paths import runtime_dir
+from kvserve.runner.config import resolve_dtype
 from kvserve.runner.frontend_config import ServeConfig
 
 log = logging.getLogger("kvserve.serve")
@@ -37,7 +38,7 @@ log = logging.getLogger("kvserve.serve")
 HELP = {
     "model": "model: a HF directory, a .gguf file, or '' for the embedded default",
     "device": "auto | cpu | cuda | cuda:N (auto = cuda when available)",
-    "dtype": "float32 | bfloat16 | float16",
+    "dtype": "auto | float32 | bfloat16 | float16 (auto = bfloat16 on CUDA or CPUs with native bf16, else float32)",
     "runners": "number of runner workers",
     "host": "gRPC bind address",
     "port": "gRPC port",
@@ -98,7 +99,9 @@ class Supervisor:
         self.frontend_address = f"ipc://{runtime / 'frontend.sock'}"
         device = _resolve_device(cfg.device)
         model = ["--model", cfg.model] if cfg.model else []
-        common = [*model, "--dtype", cfg.dtype, "--device", device, "--runtime-dir", str(runtime)]
+        # memsvc and the runners must agree on the dtype: resolve "auto" once, here.
+        dtype = resolve_dtype(cfg.dtype, device)
+        common = [*model, "--dtype", dtype, "--device", device, "--runtime-dir", str(runtime)]
         memsvc = ["--address", self.memsvc_address, "--metrics-port", str(cfg.child_metrics_port("memsvc"))]
         memsvc += ["--kv-tokens", str(cfg.kv_tokens)] if cfg.kv_tokens else []
         memsvc += ["--policy", cfg.policy] if cfg.policy else []
