@@ -84,7 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--no-hf", action="store_true", help="skip transformers generate")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     loaded = load_model(args.model, dtype=dtype, device="cpu")
