@@ -265,8 +265,8 @@ class Worker:
             log.error("memsvc refused the re-attach: %s", exc)
             return
         if attached:
+            # no new Hello: the frontend reads one as a restarted runner and fails its requests
             self.sched.rebind(self.mem, self.mem.layout)
-            self._hello()
             log.info("runner %s re-attached to memsvc", self.cfg.runner_id)
 
     def _shutdown_outputs(self) -> list[TokenOut]:
