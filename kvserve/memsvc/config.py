@@ -137,6 +137,9 @@ def resolve_shape(cfg: MemsvcConfig) -> PoolShape:
     else:
         tokens = cfg.kv_tokens or DEFAULT_KV_TOKENS
     tokens = max(ps, tokens - tokens % ps)
+    # one request can never hold more than the whole pool: a longer context would let a
+    # request wait forever for an admission that cannot succeed
+    max_ctx = min(max_ctx, tokens)
     return PoolShape(n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim,
                      dtype=cfg.dtype, size=tokens + ps, max_reqs=cfg.max_reqs,
                      max_context_len=max_ctx, page_size=ps)

@@ -1,0 +1,78 @@
+"""Fast checks of the security and limit rules (no model, no serve): no pickle on any socket,
+loopback-only defaults and addresses, and a memsvc context never longer than its pool."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import kvserve
+from kvserve.config import ConfigError
+from kvserve.memsvc.config import MemsvcConfig, resolve_shape
+from kvserve.runner.frontend_config import FrontendConfig, ServeConfig
+
+PACKAGE = Path(kvserve.__file__).parent
+
+
+def test_no_pickle_anywhere_in_the_package() -> None:
+    """No module imports a pickle-like serializer or calls pyzmq's pickle helpers (code only:
+    docstrings may say "no pickle")."""
+    banned = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "marshal", "shelve", "recv_pyobj",
+              "send_pyobj", "loads_pickle", "ForkingPickler"}
+    hits = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [a.name.split(".")[0] for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [(node.module or "").split(".")[0], *(a.name for a in node.names)]
+            elif isinstance(node, ast.Attribute):
+                names = [node.attr]
+            elif isinstance(node, ast.Name):
+                names = [node.id]
+            hits += [f"{path.relative_to(PACKAGE)}:{node.lineno}: {n}" for n in names if n in banned]
+    assert not hits, hits
+
+
+def test_grpc_and_metrics_bind_loopback_by_default() -> None:
+    assert FrontendConfig().host == "127.0.0.1" and ServeConfig().host == "127.0.0.1"
+    assert MemsvcConfig().metrics_host == "127.0.0.1" and not MemsvcConfig().allow_remote
+
+
+@pytest.mark.parametrize("address", ["tcp://0.0.0.0:5555", "tcp://10.1.2.3:5555", "tcp://example.com:1"])
+def test_non_loopback_tcp_needs_allow_remote(address: str) -> None:
+    with pytest.raises(ConfigError, match="--address: .* not a loopback address .*--allow-remote"):
+        MemsvcConfig(address=address)
+    MemsvcConfig(address=address, allow_remote=True)
+    with pytest.raises(ConfigError, match="--frontend-address: .* not a loopback address .*--allow-remote"):
+        FrontendConfig(frontend_address=address)
+    FrontendConfig(frontend_address=address, allow_remote=True)
+    FrontendConfig(frontend_address="tcp://127.0.0.1:5555")
+    FrontendConfig(frontend_address="tcp://[::1]:5555")
+
+
+def test_memsvc_cli_refuses_remote_tcp_with_exit_2(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "kvserve.runner.cli", "memsvc", "--address", "tcp://0.0.0.0:5999",
+                        "--runtime-dir", str(tmp_path / "rt")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "not a loopback address" in r.stderr, r.stderr
+
+
+def test_memsvc_context_never_exceeds_the_pool() -> None:
+    small = dict(n_layers=2, n_kv_heads=2, head_dim=8)
+    assert resolve_shape(MemsvcConfig(**small, kv_tokens=100, max_context_len=512)).max_context_len == 100
+    assert resolve_shape(MemsvcConfig(**small, kv_tokens=1000, max_context_len=512)).max_context_len == 512
+    shape = resolve_shape(MemsvcConfig(**small, kv_tokens=100, page_size=16))
+    assert shape.max_context_len == 96 and shape.size == 96 + 16
+
+
+@pytest.mark.parametrize("flag", ["max_message_bytes", "max_new_tokens_cap", "max_concurrent_streams"])
+def test_serve_limits_are_checked(flag: str) -> None:
+    with pytest.raises(ConfigError, match=f"--{flag.replace('_', '-')}: must be > 0"):
+        ServeConfig(**{flag: 0})
+    with pytest.raises(ConfigError, match="--max-prompt-tokens: must be >= 0"):
+        ServeConfig(max_prompt_tokens=-1)
