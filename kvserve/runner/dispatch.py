@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -89,8 +90,15 @@ class Dispatcher:
         self._live = 0
 
     def start(self) -> None:
-        """Bind the socket and start the receive and liveness loops (needs a running loop)."""
-        self._sock.bind(self.address)
+        """Bind the socket (an ipc:// socket file is owner-only, 0600) and start the receive
+        and liveness loops (needs a running loop)."""
+        old = os.umask(0o177)
+        try:
+            self._sock.bind(self.address)
+        finally:
+            os.umask(old)
+        if self.address.startswith("ipc://"):
+            os.chmod(self.address[len("ipc://"):], 0o600)
         self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._reap_loop())]
 
     async def close(self) -> None:

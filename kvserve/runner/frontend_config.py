@@ -7,6 +7,7 @@ knows nothing about gRPC, ZMQ or processes.
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 
 from kvserve.config import ConfigError
@@ -25,6 +26,21 @@ def _check_positive(cfg: object, *names: str) -> None:
     for name in names:
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')}: must be > 0, got {getattr(cfg, name)}")
+
+
+def _check_runner_address(address: str, allow_remote: bool) -> None:
+    """The runner link has no authentication: tcp only on loopback unless allowed."""
+    if not address or address.startswith("ipc://"):
+        return
+    if not address.startswith("tcp://"):
+        raise ConfigError(f"--frontend-address: {address!r} must start with ipc:// or tcp://")
+    host = address[len("tcp://"):].rpartition(":")[0].strip("[]")
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback and not allow_remote:
+        raise ConfigError(f"--frontend-address: {host!r} is not a loopback address (use --allow-remote)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +67,10 @@ class FrontendConfig:
     tls_cert: str = ""
     tls_key: str = ""
     auth_token_file: str = ""
+    allow_remote: bool = False  # allow a tcp:// runner address that is not loopback
 
     def __post_init__(self) -> None:
+        _check_runner_address(self.frontend_address, self.allow_remote)
         _check_port("port", self.port, allow_zero=True)
         _check_port("metrics_port", self.metrics_port, allow_zero=True)
         _check_positive(
@@ -82,6 +100,10 @@ class ServeConfig:
     policy: str = ""  # "" = memsvc's default
     ready_timeout_s: float = 600.0
     drain_timeout_s: float = 10.0
+    max_message_bytes: int = 4 * 1024 * 1024  # these four: passed to the frontend, same defaults
+    max_prompt_tokens: int = 0
+    max_new_tokens_cap: int = 4096
+    max_concurrent_streams: int = 256
     max_restarts: int = 5  # per child within restart_window_s, then give up (exit 1)
     restart_window_s: float = 60.0
 
@@ -98,7 +120,10 @@ class ServeConfig:
             raise ConfigError(f"--metrics-port: {self.metrics_port} leaves no room for {self.runners} runners")
         if self.kv_tokens < 0:
             raise ConfigError(f"--kv-tokens: must be >= 0, got {self.kv_tokens}")
-        _check_positive(self, "ready_timeout_s", "drain_timeout_s", "restart_window_s")
+        _check_positive(self, "ready_timeout_s", "drain_timeout_s", "restart_window_s",
+                        "max_message_bytes", "max_new_tokens_cap", "max_concurrent_streams")
+        if self.max_prompt_tokens < 0:
+            raise ConfigError(f"--max-prompt-tokens: must be >= 0, got {self.max_prompt_tokens}")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts: must be >= 0, got {self.max_restarts}")
 

@@ -48,6 +48,10 @@ HELP = {
     "policy": "memsvc admission policy: reserve | optimistic ('' = memsvc's default)",
     "ready_timeout_s": "seconds to wait for every child to be ready",
     "drain_timeout_s": "seconds the frontend may drain open streams on shutdown",
+    "max_message_bytes": "frontend: largest gRPC request message accepted",
+    "max_prompt_tokens": "frontend: longest prompt in tokens (0 = the context length)",
+    "max_new_tokens_cap": "frontend: largest max_new_tokens a request may ask for",
+    "max_concurrent_streams": "frontend: open Generate streams before RESOURCE_EXHAUSTED",
     "max_restarts": "restarts of one child within --restart-window-s before giving up",
     "restart_window_s": "window for --max-restarts",
 }
@@ -115,6 +119,9 @@ class Supervisor:
             *model, "--host", cfg.host, "--port", str(cfg.port), "--frontend-address",
             self.frontend_address, "--metrics-port", str(cfg.child_metrics_port("frontend")),
             "--runtime-dir", str(runtime), "--drain-timeout-s", str(cfg.drain_timeout_s),
+            "--max-message-bytes", str(cfg.max_message_bytes), "--max-prompt-tokens",
+            str(cfg.max_prompt_tokens), "--max-new-tokens-cap", str(cfg.max_new_tokens_cap),
+            "--max-concurrent-streams", str(cfg.max_concurrent_streams),
         ]))
 
     def _child(self, name: str, role: str, args: list[str]) -> Child:
@@ -129,6 +136,7 @@ class Supervisor:
             child.notify_path.unlink(missing_ok=True)
             child.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
             child.sock.bind(str(child.notify_path))
+            os.chmod(child.notify_path, 0o600)
             child.sock.setblocking(False)
         env = dict(os.environ, NOTIFY_SOCKET=str(child.notify_path), KVSERVE_RUNTIME_DIR=str(self.runtime))
         env.pop("WATCHDOG_USEC", None)

@@ -62,6 +62,7 @@ HELP = {
     "tls_cert": "PEM certificate chain for TLS (with --tls-key)",
     "tls_key": "PEM private key for TLS (with --tls-cert)",
     "auth_token_file": "file holding a bearer token that clients must send (health stays open)",
+    "allow_remote": "allow a tcp:// --frontend-address that is not loopback (the runner link has no auth)",
 }
 
 
