@@ -104,6 +104,9 @@ class ServeConfig:
     max_prompt_tokens: int = 0
     max_new_tokens_cap: int = 4096
     max_concurrent_streams: int = 256
+    tls_cert: str = ""  # passed to the frontend
+    tls_key: str = ""
+    auth_token_file: str = ""
     max_restarts: int = 5  # per child within restart_window_s, then give up (exit 1)
     restart_window_s: float = 60.0
 
@@ -124,6 +127,8 @@ class ServeConfig:
                         "max_message_bytes", "max_new_tokens_cap", "max_concurrent_streams")
         if self.max_prompt_tokens < 0:
             raise ConfigError(f"--max-prompt-tokens: must be >= 0, got {self.max_prompt_tokens}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("--tls-cert and --tls-key must be given together")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts: must be >= 0, got {self.max_restarts}")
 

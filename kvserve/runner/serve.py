@@ -52,6 +52,9 @@ HELP = {
     "max_prompt_tokens": "frontend: longest prompt in tokens (0 = the context length)",
     "max_new_tokens_cap": "frontend: largest max_new_tokens a request may ask for",
     "max_concurrent_streams": "frontend: open Generate streams before RESOURCE_EXHAUSTED",
+    "tls_cert": "frontend: PEM certificate chain for TLS (with --tls-key)",
+    "tls_key": "frontend: PEM private key for TLS (with --tls-cert)",
+    "auth_token_file": "frontend: file holding the bearer token clients must send (health stays open)",
     "max_restarts": "restarts of one child within --restart-window-s before giving up",
     "restart_window_s": "window for --max-restarts",
 }
@@ -122,6 +125,8 @@ class Supervisor:
             "--max-message-bytes", str(cfg.max_message_bytes), "--max-prompt-tokens",
             str(cfg.max_prompt_tokens), "--max-new-tokens-cap", str(cfg.max_new_tokens_cap),
             "--max-concurrent-streams", str(cfg.max_concurrent_streams),
+            *(["--tls-cert", cfg.tls_cert, "--tls-key", cfg.tls_key] if cfg.tls_cert else []),
+            *(["--auth-token-file", cfg.auth_token_file] if cfg.auth_token_file else []),
         ]))
 
     def _child(self, name: str, role: str, args: list[str]) -> Child:

@@ -14,6 +14,7 @@ import kvserve
 from kvserve.config import ConfigError
 from kvserve.memsvc.config import MemsvcConfig, resolve_shape
 from kvserve.runner.frontend_config import FrontendConfig, ServeConfig
+from kvserve.runner.serve import Supervisor
 
 PACKAGE = Path(kvserve.__file__).parent
 
@@ -76,3 +77,18 @@ def test_serve_limits_are_checked(flag: str) -> None:
         ServeConfig(**{flag: 0})
     with pytest.raises(ConfigError, match="--max-prompt-tokens: must be >= 0"):
         ServeConfig(max_prompt_tokens=-1)
+
+
+def test_serve_passes_limits_tls_and_auth_to_the_frontend(tmp_path: Path) -> None:
+    cfg = ServeConfig(device="cpu", max_message_bytes=1000, max_prompt_tokens=7, max_new_tokens_cap=9,
+                      max_concurrent_streams=3, tls_cert="/c.pem", tls_key="/k.pem", auth_token_file="/t")
+    argv = Supervisor(cfg, tmp_path).by_role("frontend")[0].argv
+    flags = dict(zip(argv[4::2], argv[5::2], strict=True))
+    for flag, value in {"--max-message-bytes": "1000", "--max-prompt-tokens": "7", "--max-new-tokens-cap": "9",
+                        "--max-concurrent-streams": "3", "--tls-cert": "/c.pem", "--tls-key": "/k.pem",
+                        "--auth-token-file": "/t", "--host": "127.0.0.1"}.items():
+        assert flags.get(flag) == value, (flag, argv)
+    plain = Supervisor(ServeConfig(device="cpu"), tmp_path).by_role("frontend")[0].argv
+    assert "--tls-cert" not in plain and "--auth-token-file" not in plain
+    with pytest.raises(ConfigError, match="--tls-cert and --tls-key must be given together"):
+        ServeConfig(tls_cert="/c.pem")
