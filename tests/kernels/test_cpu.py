@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import dense_oracle, make_batch
+from .conftest import dense_oracle, make_batch
 
 from kvserve.kernels import cpu, get_backend
 

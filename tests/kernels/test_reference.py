@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import dense_oracle, make_batch
+from .conftest import dense_oracle, make_batch
 
 from kvserve.kernels import build_kvcache, get_backend
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_batch, tolerance
+from .conftest import make_batch, tolerance
 
 from kvserve.kernels import get_backend
 from kvserve.kernels import reference as ref

@@ -7,7 +7,7 @@ import re
 import subprocess
 
 import yaml
-from opsfiles import (
+from .opsfiles import (
     DASHBOARD,
     OPS,
     PROM_DIR,

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tinymodel import write_tiny_model
+from .tinymodel import write_tiny_model
 
 from kvserve.memsvc.client import MemClient
 from kvserve.runner.messages import GenerateReq, SamplingParams, TokenOut

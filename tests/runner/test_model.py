@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from tinymodel import PagedKV, greedy_generate, tiny_config, write_tiny_model
+from .tinymodel import PagedKV, greedy_generate, tiny_config, write_tiny_model
 
 from kvserve.kernels import get_backend
 from kvserve.runner.model import LlamaForCausalLM, RMSNorm, apply_rotary

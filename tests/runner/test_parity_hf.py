@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tinymodel import PagedKV, greedy_generate
+from .tinymodel import PagedKV, greedy_generate
 
 from kvserve.kernels import get_backend
 from kvserve.modelfile import resolve_model

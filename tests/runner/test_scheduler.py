@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from runner_procs import (
+from .runner_procs import (
     attached,
     greedy,
     memsvc_args,

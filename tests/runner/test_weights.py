@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tinymodel import BYTE_VOCAB, VOCAB_SIZE, write_tiny_model
+from .tinymodel import BYTE_VOCAB, VOCAB_SIZE, write_tiny_model
 
 from kvserve.runner import ggufload
 from kvserve.runner.modelconfig import ModelLoadError

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 import zmq
-from runner_procs import (
+from .runner_procs import (
     attached,
     greedy,
     memsvc_args,
