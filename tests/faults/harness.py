@@ -155,15 +155,16 @@ class Service:
         return sum(values)
 
 
-def start_serve(runtime: Path, model: Path, *extra: str, ready_s: float = 150.0) -> Service:
-    """Start `kvserve serve` on the tiny model and wait until it serves."""
+def start_serve(runtime: Path, model: Path | None, *extra: str, ready_s: float = 150.0) -> Service:
+    """Start `kvserve serve` on `model` (None = the embedded default) and wait until it serves."""
     runtime.mkdir(mode=0o700, parents=True, exist_ok=True)
     port, metrics = free_block(1), free_block(5)
     env = dict(os.environ, KVSERVE_RUNTIME_DIR=str(runtime))
     env.pop("NOTIFY_SOCKET", None)
     shm_before = set(os.listdir("/dev/shm"))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvserve.runner.cli", "serve", "--model", str(model), "--dtype", "float32",
+        [sys.executable, "-m", "kvserve.runner.cli", "serve", *(["--model", str(model)] if model else []),
+         "--dtype", "float32",
          "--device", "cpu", "--port", str(port), "--metrics-port", str(metrics),
          "--runtime-dir", str(runtime), "--ready-timeout-s", str(ready_s), *extra],
         env=env, stdout=subprocess.PIPE, text=True,

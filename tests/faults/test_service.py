@@ -7,12 +7,9 @@ return to 0 and its invariant check stays clean.
 
 from __future__ import annotations
 
-import random
 import re
 import stat
-import threading
 import time
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,6 +25,7 @@ from kvserve.v1 import generator_pb2 as pb
 from kvserve.wire import WireError
 
 from .harness import Service, Stream, greedy, rss_kib, start_serve, stop_serve
+from .loadgen import OK_REASONS, run_load
 
 pytestmark = pytest.mark.timeout(240)
 KV_TOKENS = 240
@@ -130,79 +128,23 @@ def test_optimistic_pool_exhausted_preempts_and_matches_solo(svc: Service) -> No
     _no_leak(svc)
 
 
-OK_REASONS = {"length", "stop", "abort"}
-EXPECTED = {grpc.StatusCode.OK, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED}
-
-
-def _random_request(rng: random.Random, i: int) -> pb.GenerateRequest:
-    s = pb.SamplingParams(max_new_tokens=rng.randint(1, 40), ignore_eos=rng.random() < 0.5)
-    if rng.random() < 0.6:
-        s.temperature, s.top_p, s.top_k = rng.choice([0.5, 0.9, 1.3]), rng.uniform(0.3, 1.0), rng.randint(0, 50)
-        s.min_p, s.seed = rng.choice([0.0, 0.05]), rng.randint(0, 2**63)
-    if rng.random() < 0.3:
-        s.repetition_penalty, s.presence_penalty, s.frequency_penalty = 1.1, 0.3, 0.2
-    if rng.random() < 0.2:
-        s.stop.append(rng.choice(["a", "e ", "th"]))
-    s.logprobs = rng.choice([0, 0, 2])
-    text = "".join(rng.choice("abcdefgh ijklmnop,.\u00e9\u4e2d") for _ in range(rng.randint(1, 120)))
-    if rng.random() < 0.2:
-        text = "A shared system prefix for the load test. " + text
-    return pb.GenerateRequest(text=text, sampling=s, request_id=f"load-{i}")
-
-
-def _client(svc: Service, seed: int, until: float, statuses: Counter, lock: threading.Lock) -> None:
-    rng = random.Random(seed)
-    i = 0
-    while time.monotonic() < until:
-        i += 1
-        req = _random_request(rng, seed * 100000 + i)
-        action = rng.choice(["run", "run", "cancel", "deadline", "abort"])
-        timeout = rng.uniform(0.05, 0.6) if action == "deadline" else 60
-        call = svc.stub.Generate(req, timeout=timeout)
-        stop_after = rng.randint(1, 5)
-        got = 0
-        key = ""
-        try:
-            for msg in call:
-                got += 1
-                if msg.finish_reason:
-                    assert msg.finish_reason in OK_REASONS, msg.finish_reason
-                    assert msg.usage.completion_tokens <= req.sampling.max_new_tokens
-                if got == stop_after and action == "cancel":
-                    call.cancel()
-                if got == stop_after and action == "abort":
-                    svc.stub.Abort(pb.AbortRequest(request_id=req.request_id), timeout=10)
-            key = "OK"
-        except grpc.RpcError as exc:
-            key = exc.code().name
-            assert exc.code() in EXPECTED, (exc.code(), exc.details())
-        with lock:
-            statuses[f"{action}:{key}"] += 1
-
-
 def test_load_random_clients_cancels_deadlines(svc: Service) -> None:
     pids = svc.pids()
     list(svc.stub.Generate(greedy("warm up", 8), timeout=60))
     rss_start = {role: rss_kib(pid) for role, pid in pids.items()}
-    statuses: Counter = Counter()
-    lock = threading.Lock()
-    start = time.monotonic()
-    threads = [threading.Thread(target=_client, args=(svc, k, start + LOAD_S, statuses, lock))
-               for k in range(LOAD_CLIENTS)]
-    for t in threads:
-        t.start()
     peak = dict(rss_start)
-    while any(t.is_alive() for t in threads):
+
+    def sample() -> None:
         for role, pid in pids.items():
             peak[role] = max(peak[role], rss_kib(pid))
-        time.sleep(0.5)
-    elapsed = time.monotonic() - start
-    total = sum(statuses.values())
+
+    res = run_load(svc.stub, LOAD_CLIENTS, LOAD_S, seed=1, tick=sample)
     rss_end = {role: rss_kib(pid) for role, pid in pids.items()}
-    print(f"\nload: {LOAD_CLIENTS} clients, {total} requests in {elapsed:.1f} s "
-          f"({total / elapsed:.1f} req/s): {dict(statuses)}; RSS KiB start {rss_start} peak {peak} end {rss_end}")
-    assert total >= LOAD_CLIENTS * 3, statuses
-    assert sum(n for k, n in statuses.items() if k.endswith(":OK")) > 0
+    print(f"\nload: {res.clients} clients, {res.requests} requests in {res.elapsed_s:.1f} s "
+          f"({res.rate:.1f} req/s): {dict(res.statuses)}; RSS KiB start {rss_start} peak {peak} end {rss_end}")
+    assert not res.unexpected, res.unexpected
+    assert res.requests >= LOAD_CLIENTS * 3, res.statuses
+    assert sum(n for k, n in res.statuses.items() if k.endswith(":OK")) > 0
     assert svc.pids() == pids, "a process restarted during the load"
     _no_leak(svc)
     for role in pids:
