@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runner"))
-
-from runner_procs import sharp_tiny_dir  # noqa: E402
+from tests.runner.runner_procs import sharp_tiny_dir
 
 
 @pytest.fixture(scope="session")
