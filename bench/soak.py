@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = bool(res.unexpected) or (st is not None and (st.slots_request or st.invariant_violations))
     if svc is not None:
         rc = stop_serve(svc)
+        Path(runtime).rmdir()
         print(f"serve exit       {rc}")
         failed = failed or rc != 0
     return 1 if failed else 0
