@@ -27,6 +27,12 @@ ITL_BUCKETS: tuple[float, ...] = (
     0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
     0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
 )
+FINISH_REASONS = ("stop", "length", "abort", "error")
+ERROR_CODES = (
+    "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "UNAVAILABLE", "CANCELLED", "DEADLINE_EXCEEDED",
+    "UNAUTHENTICATED", "INTERNAL",
+)
+
 # One scheduler phase (forward pass, memsvc round trip, sampling): 50 us to 30 s.
 STEP_BUCKETS: tuple[float, ...] = (
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
@@ -133,6 +139,12 @@ class FrontendMetrics:
         self.errors = Counter(
             "kvserve_request_errors", "Failed requests by gRPC status code name.", ["code"], registry=r
         )
+        # Export zeros for the expected label values, so that rate() and the alert rules
+        # see a series from the first scrape rather than after the first such request.
+        for reason in FINISH_REASONS:
+            self.requests.labels(finish_reason=reason)
+        for code in ERROR_CODES:
+            self.errors.labels(code=code)
         self.prompt_tokens = Counter("kvserve_prompt_tokens", "Prompt tokens received.", registry=r)
         self.generation_tokens = Counter(
             "kvserve_generation_tokens", "Tokens generated and streamed.", registry=r
