@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvserve.kernels.metadata import KVCache
+from kvserve.kernels.metadata import KVCache, check_attention_args
 
 _PLAN_KEY = "cpu"
 VIEW_MAX_BATCH = 1
@@ -192,12 +192,7 @@ def attention(
     sm_scale: float,
 ) -> torch.Tensor:
     """Store k/v ([T, Hkv, D]) at meta.out_cache_loc, then attend; returns [T, Hq, D]."""
-    if q.dim() != 3 or k.shape != v.shape or k.shape[0] != q.shape[0]:
-        raise ValueError(f"bad shapes q={tuple(q.shape)} k={tuple(k.shape)} v={tuple(v.shape)}")
-    if q.shape[0] != meta.num_tokens:
-        raise ValueError(f"q has {q.shape[0]} tokens, meta has {meta.num_tokens}")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"q heads {q.shape[1]} not a multiple of kv heads {k.shape[1]}")
+    check_attention_args(q, k, v, meta)
     k_cache.index_copy_(0, meta.out_cache_loc, k.to(k_cache.dtype))
     v_cache.index_copy_(0, meta.out_cache_loc, v.to(v_cache.dtype))
     plan = _plan(meta)

@@ -126,6 +126,16 @@ class KVCache:
         return self._dense
 
 
+def check_attention_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: KVCache) -> None:
+    """The shape checks every backend's `attention` makes first; ValueError names the mismatch."""
+    if q.dim() != 3 or k.shape != v.shape or k.shape[0] != q.shape[0]:
+        raise ValueError(f"bad shapes q={tuple(q.shape)} k={tuple(k.shape)} v={tuple(v.shape)}")
+    if q.shape[0] != meta.num_tokens:
+        raise ValueError(f"q has {q.shape[0]} tokens, meta has {meta.num_tokens}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"q heads {q.shape[1]} not a multiple of kv heads {k.shape[1]}")
+
+
 def _host_ints(name: str, value: IntsLike) -> torch.Tensor:
     t = torch.as_tensor(value, dtype=torch.int64, device="cpu").reshape(-1)
     if t.numel() and int(t.min()) < 0:

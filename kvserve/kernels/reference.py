@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.kernels.metadata import KVCache
+from kvserve.kernels.metadata import KVCache, check_attention_args
 
 
 def store_kv(
@@ -109,12 +109,7 @@ def attention(
     sm_scale: float,
 ) -> torch.Tensor:
     """Store k/v ([T, Hkv, D]) at meta.out_cache_loc, then attend; returns [T, Hq, D]."""
-    if q.dim() != 3 or k.shape != v.shape or k.shape[0] != q.shape[0]:
-        raise ValueError(f"bad shapes q={tuple(q.shape)} k={tuple(k.shape)} v={tuple(v.shape)}")
-    if q.shape[0] != meta.num_tokens:
-        raise ValueError(f"q has {q.shape[0]} tokens, meta has {meta.num_tokens}")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"q heads {q.shape[1]} not a multiple of kv heads {k.shape[1]}")
+    check_attention_args(q, k, v, meta)
     store_kv(k, v, k_cache=k_cache, v_cache=v_cache, out_cache_loc=meta.out_cache_loc)
     if meta.is_decode:
         return decode_attention(q, k_cache=k_cache, v_cache=v_cache, meta=meta, sm_scale=sm_scale)

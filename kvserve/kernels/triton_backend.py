@@ -9,7 +9,7 @@ import torch
 
 from kvserve.kernels.decode import decode_attention
 from kvserve.kernels.extend import extend_attention
-from kvserve.kernels.metadata import KVCache
+from kvserve.kernels.metadata import KVCache, check_attention_args
 from kvserve.kernels.store_kv import store_kv
 
 
@@ -24,6 +24,7 @@ def attention(
     sm_scale: float,
 ) -> torch.Tensor:
     """Store k/v ([T, Hkv, D]) at meta.out_cache_loc, then attend; returns [T, Hq, D]."""
+    check_attention_args(q, k, v, meta)
     store_kv(k, v, k_cache=k_cache, v_cache=v_cache, out_cache_loc=meta.out_cache_loc)
     out = torch.empty_like(q)
     if meta.is_decode:
