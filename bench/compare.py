@@ -206,6 +206,7 @@ def main() -> int:
     p.add_argument("--peers", default="hf,llamacpp", help="peers to run beside kvserve (default: %(default)s)")
     p.add_argument("--workloads", default="fixed,mixed")
     p.add_argument("--mixed-requests", type=int, default=64)
+    p.add_argument("--mixed-concurrency", default="8,32", help="kvserve concurrencies on the mixed workload")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     p.add_argument("--serve-args", default="", help="extra flags for kvserve serve")
     p.add_argument("--readme", action="store_true", help="write the table into README.md")
@@ -218,13 +219,14 @@ def main() -> int:
     from kvserve.runner.weights import load_tokenizer
 
     tok = load_tokenizer(None)
-    fixed_n = {c: max(2 * c, 8) if c > 1 else 4 for c in concs}
+    mixed_concs = [int(c) for c in args.mixed_concurrency.split(",")]
+    fixed_n = {c: max(c, 8) if c > 1 else 3 for c in concs}
     wl = workloads(tok.vocab_size, 0, fixed_n, args.mixed_requests)
     base = {"model": str(model), "eos_token_id": tok.eos_token_ids[0]}
     rows: list[dict] = []
     results: dict = {}
     plan = [(w, c, (wl["fixed"][: fixed_n[c]] if w == "fixed" else wl["mixed"])) for w in wanted
-            for c in (concs if w == "fixed" else [c for c in concs if c > 1] or concs)]
+            for c in (concs if w == "fixed" else mixed_concs)]
 
     server = KvserveServer(args.dtype, args.serve_args.split())
     try:
