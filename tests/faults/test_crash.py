@@ -107,8 +107,9 @@ def _load_waiting(svc: Service) -> int:
 
 
 def test_reserve_pool_exhausted_queues_and_matches_solo(svc: Service) -> None:
-    # each request reserves 100 + 40 slots: two fit in the 384-slot pool, the third waits
-    reqs = [greedy(f"{i}" * 100, 40) for i in range(3)]
+    # each request reserves 100 + 80 slots: two fit in the 384-slot pool, the third waits
+    # for one of them to finish (80 decode steps: long enough for the 0.25 s load reports)
+    reqs = [greedy(f"{i}" * 100, 80) for i in range(3)]
     streams = [Stream(svc.stub, r, timeout=120) for r in reqs]
     waited = 0
     while not all(s.code is not None for s in streams):
@@ -117,7 +118,7 @@ def test_reserve_pool_exhausted_queues_and_matches_solo(svc: Service) -> None:
     assert all(s.code == grpc.StatusCode.OK for s in streams), [(s.code, s.details) for s in streams]
     assert waited >= 1, "no request ever waited: the pool was not exhausted"
     for req, s in zip(reqs, streams, strict=True):
-        assert len(s.tokens) == 40 and s.last.finish_reason == "length"
+        assert len(s.tokens) == 80 and s.last.finish_reason == "length"
         solo = [t for m in svc.stub.Generate(req, timeout=60) for t in m.token_ids]
         assert s.tokens == solo
     st = svc.wait_stats(lambda st: st.slots_request == 0, timeout=5)
