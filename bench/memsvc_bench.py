@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -81,7 +82,7 @@ def bench_step(iters: int) -> None:
             proc.terminate()
             proc.wait(timeout=15)
             proc.stdout.close()
-        os.rmdir(run) if not os.listdir(run) else None
+        shutil.rmtree(run, ignore_errors=True)  # the echo server leaves its socket file
 
 
 def bench_allocator(rounds: int = 2000) -> None:
