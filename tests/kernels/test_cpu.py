@@ -6,9 +6,10 @@ from dataclasses import replace
 
 import pytest
 import torch
-from .conftest import dense_oracle, make_batch
 
 from kvserve.kernels import cpu, get_backend
+
+from .conftest import dense_oracle, make_batch
 
 CASES = [
     # prefix, extend, Hq, Hkv, D

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from .conftest import make_batch, tolerance
 
 from kvserve.kernels import get_backend
+
+from .conftest import make_batch, tolerance
 
 pytestmark = [
     pytest.mark.gpu,

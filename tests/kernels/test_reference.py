@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from .conftest import dense_oracle, make_batch
 
 from kvserve.kernels import build_kvcache, get_backend
+
+from .conftest import dense_oracle, make_batch
 
 CASES = [
     # prefix, extend, Hq, Hkv, D

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from .conftest import make_batch, tolerance
 
 from kvserve.kernels import get_backend
 from kvserve.kernels import reference as ref
 from kvserve.kernels.decode import decode_attention
 from kvserve.kernels.extend import extend_attention
 from kvserve.kernels.store_kv import store_kv
+
+from .conftest import make_batch, tolerance
 
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
 from .opsfiles import PROM_DIR, dashboard_exprs, promql_metric_names
 
 _PARTS = ("kvserve.runner.serve", "kvserve.runner.worker", "kvserve.runner.server",

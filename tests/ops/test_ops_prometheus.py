@@ -7,6 +7,7 @@ import re
 import subprocess
 
 import yaml
+
 from .opsfiles import (
     DASHBOARD,
     OPS,

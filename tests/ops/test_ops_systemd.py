@@ -16,6 +16,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from .opsfiles import OPS, SYSTEMD_DIR
 
 UNITS = ("kvserve-memsvc.service", "kvserve-runner@.service", "kvserve-frontend.service",

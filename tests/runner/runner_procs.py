@@ -18,10 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from .tinymodel import write_tiny_model
 
 from kvserve.memsvc.client import MemClient
 from kvserve.runner.messages import GenerateReq, SamplingParams, TokenOut
+
+from .tinymodel import write_tiny_model
 
 SHARPEN = {"self_attn": 4.0, "mlp": 4.0}
 

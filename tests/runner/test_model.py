@@ -12,12 +12,13 @@ import math
 
 import pytest
 import torch
-from .tinymodel import PagedKV, greedy_generate, tiny_config, write_tiny_model
 
 from kvserve.kernels import get_backend
 from kvserve.runner.model import LlamaForCausalLM, RMSNorm, apply_rotary
 from kvserve.runner.modelconfig import config_from_hf
 from kvserve.runner.weights import load_weights
+
+from .tinymodel import PagedKV, greedy_generate, tiny_config, write_tiny_model
 
 LLAMA3 = {
     "rope_type": "llama3",

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from .tinymodel import PagedKV, greedy_generate
 
 from kvserve.kernels import get_backend
 from kvserve.modelfile import resolve_model
 from kvserve.runner.weights import LoadedModel, load_model
+
+from .tinymodel import PagedKV, greedy_generate
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -12,6 +12,12 @@ from typing import Any
 
 import pytest
 import torch
+
+from kvserve.kernels import get_backend
+from kvserve.runner.messages import GenerateReq, SamplingParams
+from kvserve.runner.scheduler import Scheduler, SchedulerConfig
+from kvserve.runner.weights import load_model
+
 from .runner_procs import (
     attached,
     greedy,
@@ -22,11 +28,6 @@ from .runner_procs import (
     sharp_tiny_dir,
     tokens_of,
 )
-
-from kvserve.kernels import get_backend
-from kvserve.runner.messages import GenerateReq, SamplingParams
-from kvserve.runner.scheduler import Scheduler, SchedulerConfig
-from kvserve.runner.weights import load_model
 
 pytestmark = pytest.mark.timeout(120)
 

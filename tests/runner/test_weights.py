@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from .tinymodel import BYTE_VOCAB, VOCAB_SIZE, write_tiny_model
 
 from kvserve.runner import ggufload
 from kvserve.runner.modelconfig import ModelLoadError
 from kvserve.runner.weights import load_config, load_model, load_tokenizer, load_weights
+
+from .tinymodel import BYTE_VOCAB, VOCAB_SIZE, write_tiny_model
 
 LLAMA3 = {
     "rope_type": "llama3",

@@ -17,16 +17,6 @@ from typing import Any
 import pytest
 import torch
 import zmq
-from .runner_procs import (
-    attached,
-    greedy,
-    memsvc_args,
-    memsvc_process,
-    random_prompts,
-    run_all,
-    sharp_tiny_dir,
-    tokens_of,
-)
 
 from kvserve.kernels import get_backend
 from kvserve.runner.messages import (
@@ -40,6 +30,17 @@ from kvserve.runner.messages import (
 )
 from kvserve.runner.scheduler import Scheduler
 from kvserve.runner.weights import load_model
+
+from .runner_procs import (
+    attached,
+    greedy,
+    memsvc_args,
+    memsvc_process,
+    random_prompts,
+    run_all,
+    sharp_tiny_dir,
+    tokens_of,
+)
 
 
 class FakeFrontend:
