@@ -11,7 +11,6 @@ import importlib.util
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvserve.v1 import generator_pb2 as pb
 from kvserve.v1 import generator_pb2_grpc as pb_grpc
+from tests.faults.harness import children_of, free_block
 
 _MISSING = [m for m in ("kvserve.runner.worker", "kvserve.memsvc.server") if importlib.util.find_spec(m) is None]
 pytestmark = [
@@ -36,42 +36,6 @@ pytestmark = [
 ]
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-def _free_block(n: int) -> int:
-    """A base port with n consecutive free ports on 127.0.0.1."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no free port block")
-
-
-def _children(pid: int) -> list[tuple[int, str]]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == pid:
-            out.append((int(entry.name), cmd))
-    return out
 
 
 @dataclass
@@ -108,7 +72,7 @@ class Service:
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     runtime = tmp_path_factory.mktemp("serve-rt")
-    port, metrics = _free_block(1), _free_block(4)
+    port, metrics = free_block(1), free_block(4)
     env = dict(os.environ, KVSERVE_RUNTIME_DIR=str(runtime))
     env.pop("NOTIFY_SOCKET", None)
     shm_before = set(os.listdir("/dev/shm"))
@@ -129,7 +93,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
                       health_pb2_grpc.HealthStub(channel))
         channel.close()
     finally:
-        children = [pid for pid, _ in _children(proc.pid)]
+        children = list(children_of(proc.pid))
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
         try:
@@ -239,7 +203,7 @@ def test_bad_prompts_are_invalid_argument(service: Service) -> None:
 
 def test_health_follows_runner_kill_and_restart(service: Service) -> None:
     assert service.wait_health(SERVING, 5)
-    runners = [pid for pid, cmd in _children(service.proc.pid) if " runner " in cmd]
+    runners = [pid for pid, cmd in children_of(service.proc.pid).items() if " runner " in cmd]
     assert len(runners) == 1
     os.kill(runners[0], signal.SIGKILL)
     assert service.wait_health(NOT_SERVING, 5)

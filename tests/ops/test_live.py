@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import random
 import shutil
 import signal
 import socket
@@ -28,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.faults.harness import children_of, free_block
+
 from .opsfiles import PROM_DIR, dashboard_exprs, promql_metric_names
 
 _PARTS = ("kvserve.runner.serve", "kvserve.runner.worker", "kvserve.runner.server",
@@ -41,25 +42,6 @@ pytestmark = [
 ]
 
 READY_TIMEOUT_S = 240.0
-
-
-def _free_port_block(n: int) -> int:
-    """A base port P with P..P+n-1 all free on 127.0.0.1."""
-    for _ in range(200):
-        base = random.randint(20000, 60000)
-        socks = []
-        try:
-            for i in range(n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no block of free ports")
 
 
 @dataclass
@@ -116,7 +98,7 @@ def _start(tmp: Path, extra: list[str]) -> Service:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
     notes = Notifications(sock)
     threading.Thread(target=notes.run, daemon=True).start()
-    base = _free_port_block(6)
+    base = free_block(6)
     env = dict(os.environ, KVSERVE_RUNTIME_DIR=str(runtime), NOTIFY_SOCKET=str(tmp / "notify.sock"),
                WATCHDOG_USEC="1000000", PYTHONUNBUFFERED="1")
     env.pop("WATCHDOG_PID", None)
@@ -278,7 +260,7 @@ def test_real_prometheus_scrapes_the_service(service: Service, tmp_path: Path) -
     binary = shutil.which("prometheus")
     if binary is None:
         pytest.skip("the `prometheus` server is not installed (Debian package `prometheus`)")
-    port = _free_port_block(1)
+    port = free_block(1)
     m = service.metrics_port
     cfg = tmp_path / "prometheus.yml"
     cfg.write_text(json.dumps({
@@ -342,24 +324,12 @@ def test_sigterm_sends_stopping_and_cleans_up(service: Service) -> None:
     assert not [p for p in service.runtime.iterdir() if p.is_socket()], list(service.runtime.iterdir())
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        text = (task / "children").read_text().split()
-        out += [int(c) for c in text]
-    return out
-
-
-def _cmdline(pid: int) -> str:
-    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-
-
 @pytest.mark.timeout(READY_TIMEOUT_S + 90)
 def test_worker_death_makes_serve_exit_nonzero(tmp_path: Path) -> None:
     svc = _start(tmp_path, ["--max-restarts", "0"])
     try:
         _wait_ready(svc)
-        kids = {pid: _cmdline(pid) for pid in _children(svc.proc.pid)}
+        kids = children_of(svc.proc.pid)
         runners = [pid for pid, cmd in kids.items() if " runner" in cmd]
         assert runners, f"no runner child among {kids}"
         os.kill(runners[0], signal.SIGKILL)
