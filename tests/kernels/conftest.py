@@ -8,9 +8,14 @@ module imported earlier without it is reloaded.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -124,3 +129,17 @@ def dense_oracle(b: Batch, sm_scale: float) -> torch.Tensor:
         outs.append(o.transpose(0, 1))
         off += e
     return torch.cat(outs)
+
+
+@contextmanager
+def bench_script(name: str) -> Iterator[ModuleType]:
+    """Import `bench/<name>.py` as a module for the duration of the block."""
+    path = Path(__file__).resolve().parents[2] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        del sys.modules[spec.name]

@@ -2,26 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "cpu_attention.py"
+from .conftest import bench_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("cpu_attention_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
+    with bench_script("cpu_attention") as module:
         yield module
-    finally:
-        del sys.modules[spec.name]
 
 
 @pytest.mark.parametrize("layout", ["chunked", "contiguous", "scattered"])

@@ -41,15 +41,6 @@ VARIANTS = {
 PROMPTS = [[5, 17, 99, 3, 200, 41, 7], [12, 250], list(range(30, 130, 3))]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """One torch thread: with 2 cores shared by the whole suite, OpenMP spinning only costs."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def backend():
     return get_backend("torch")

@@ -30,15 +30,6 @@ PROMPTS = [
 NEW_TOKENS = 32
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """One torch thread: with 2 cores shared by the whole suite, OpenMP spinning only costs."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def ours() -> LoadedModel:
     return load_model(None, dtype=torch.float32, device="cpu")

@@ -32,15 +32,6 @@ from .runner_procs import (
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Any:
-    """The tiny model is far faster on one thread (and does not fight other test processes)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return load_model(str(sharp_tiny_dir(tmp_path_factory)), dtype=torch.float32, device="cpu")

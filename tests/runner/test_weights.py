@@ -26,15 +26,6 @@ LLAMA3 = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """One torch thread: with 2 cores shared by the whole suite, OpenMP spinning only costs."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny") / "m", tie=False)

@@ -99,7 +99,6 @@ def test_runner_process_serves_aborts_survives_memsvc_restart(tmp_path_factory: 
     proc = None
     try:
         with memsvc_process(run_dir, margs) as address:
-            torch.set_num_threads(1)
             with attached(address, lm.config) as client:
                 sched = Scheduler(model=lm.model, mem=client, layout=client.layout,
                                   backend=get_backend("torch"), eos_token_ids=lm.eos_token_ids)
