@@ -202,28 +202,21 @@ class MemsvcService:
         if self._lease(msg.lease) is None:
             return self._unknown(msg.lease)
         pool, errors = self.pool, []
-        for rel in msg.release:
-            try:
-                pool.release(msg.lease, rel)
-            except ItemError as exc:
-                errors.append(str(exc))
-        for com in msg.commit:
-            try:
-                pool.commit(msg.lease, com)
-            except ItemError as exc:
-                errors.append(str(exc))
-        grown = []
-        for item in msg.grow:
-            try:
-                grown.append(pool.grow(msg.lease, item))
-            except ItemError as exc:
-                errors.append(str(exc))
-        admitted = []
-        for adm in msg.admit:
-            try:
-                admitted.append(pool.admit(msg.lease, adm))
-            except ItemError as exc:
-                errors.append(str(exc))
+
+        def apply(items: list, handler: Callable) -> list:
+            # A bad item becomes an error string; the other items of the step still apply.
+            results = []
+            for item in items:
+                try:
+                    results.append(handler(msg.lease, item))
+                except ItemError as exc:
+                    errors.append(str(exc))
+            return results
+
+        apply(msg.release, pool.release)
+        apply(msg.commit, pool.commit)
+        grown = apply(msg.grow, pool.grow)
+        admitted = apply(msg.admit, pool.admit)
         if errors:
             self._count_bad("; ".join(errors), len(errors))
         if self._cuda:
