@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # (CUDA) build from PyPI.
 TORCH_SPEC := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
 
-.PHONY: install serve test protos lint bench clean
+.PHONY: install serve test protos lint bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -31,6 +31,10 @@ protos: $(STAMP)
 # The comparison with HF transformers and llama-cpp-python; writes its table into README.
 bench: $(STAMP)
 	$(VPY) bench/compare.py --readme $(ARGS)
+
+# On a host with a CUDA device: compiled kernels vs the reference, CUDA IPC, kernel benchmark.
+gpu-check: $(STAMP)
+	PY=$(VPY) bash bench/gpu_check.sh
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check kvserve tests bench

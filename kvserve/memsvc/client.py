@@ -76,6 +76,7 @@ class MemClient:
     def _socket(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
         sock.linger = 0
+        sock.rcvtimeo = int(self.timeout_s * 1000)  # recv raises zmq.Again after that
         sock.connect(self.address)
         return sock
 
@@ -86,13 +87,17 @@ class MemClient:
                 self._sock = self._socket()
             sock = self._sock
         sock.send(CODEC.encode(msg))
-        if not sock.poll(int(self.timeout_s * 1000)):
+        try:
+            frame = sock.recv()
+        except zmq.Again:
             if own:  # a late reply must not be read as the answer to the next request
                 self._sock.close(0)
                 self._sock = None
-            raise MemsvcUnavailable(f"memsvc at {self.address} did not answer within {self.timeout_s} s")
+            raise MemsvcUnavailable(
+                f"memsvc at {self.address} did not answer within {self.timeout_s} s"
+            ) from None
         try:
-            reply = CODEC.decode(sock.recv())
+            reply = CODEC.decode(frame)
         except WireError as exc:
             raise MemsvcError(f"undecodable reply from memsvc: {exc}") from None
         if isinstance(reply, ErrorReply):

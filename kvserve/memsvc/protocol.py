@@ -21,7 +21,7 @@ REASON_EXHAUSTED = "exhausted"
 """`AdmitResult.reason` / `GrowResult.reason` when the pool (slots or rows) is full now."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Layout:
     """The pool's shape, fixed for the life of one memsvc instance."""
 
@@ -38,7 +38,7 @@ class Layout:
     grow_chunk: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class CudaHandle:
     """The parts of a CUDA IPC export (torch reduce_tensor) a runner needs to open it."""
 
@@ -52,7 +52,7 @@ class CudaHandle:
     event_sync_required: bool
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class BufferHandle:
     """Where one shared buffer lives. kind "memfd": open /proc/<pid>/fd/<fd> and map
     `nbytes`; kind "cuda": open `cuda` as an IPC handle."""
@@ -67,7 +67,7 @@ class BufferHandle:
     cuda: CudaHandle | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Attach:
     name: str
     pid: int
@@ -78,7 +78,7 @@ class Attach:
     dtype: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class AttachReply:
     lease: int
     layout: Layout
@@ -86,7 +86,7 @@ class AttachReply:
     kv_usage: float = 0.0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Admit:
     """Match the cached prefix of token_ids[:-1], lock it, allocate the rest, write the row."""
 
@@ -95,7 +95,7 @@ class Admit:
     max_new_tokens: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Grow:
     """Make the request's row hold at least `capacity` slots."""
 
@@ -103,7 +103,7 @@ class Grow:
     capacity: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Commit:
     """KV of positions [0, len(token_ids)) is written: insert it into the prefix cache."""
 
@@ -111,7 +111,7 @@ class Commit:
     token_ids: list[int]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Release:
     """Optional final commit, then unlock and free everything the request holds."""
 
@@ -119,7 +119,7 @@ class Release:
     token_ids: list[int] | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class AdmitResult:
     rid: int
     ok: bool
@@ -129,7 +129,7 @@ class AdmitResult:
     reason: str = ""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class GrowResult:
     rid: int
     ok: bool
@@ -137,7 +137,7 @@ class GrowResult:
     reason: str = ""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Step:
     lease: int
     admit: list[Admit] = field(default_factory=list)
@@ -146,7 +146,7 @@ class Step:
     release: list[Release] = field(default_factory=list)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StepReply:
     admitted: list[AdmitResult] = field(default_factory=list)
     grown: list[GrowResult] = field(default_factory=list)
@@ -154,32 +154,32 @@ class StepReply:
     kv_usage: float = 0.0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Heartbeat:
     lease: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class HeartbeatReply:
     kv_usage: float = 0.0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Detach:
     lease: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class DetachReply:
     rows_released: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Stats:
     pass
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StatsReply:
     """A snapshot of the pool; slot counts exclude the reserved page 0."""
 
@@ -200,7 +200,7 @@ class StatsReply:
     kv_usage: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ErrorReply:
     error: str
 
