@@ -16,6 +16,10 @@ class MemsvcMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.slots = Gauge("kvserve_kv_cache_slots", "KV slots by state", ["state"], registry=r)
+        # The labelled children, looked up once: set_pool runs after every message.
+        self._free, self._request, self._cached = (
+            self.slots.labels(state=s) for s in ("free", "request", "cached")
+        )
         self.usage = Gauge("kvserve_kv_cache_usage_ratio",
                            "Fraction of KV slots in use and not evictable", registry=r)
         self.queries = Counter("kvserve_prefix_cache_queries",
@@ -41,9 +45,9 @@ class MemsvcMetrics:
     def set_pool(self, *, free: int, request: int, cached: int, usage: float,
                  queried: int, hit: int) -> None:
         """Refresh the pool gauges and advance the prefix counters to the tree's totals."""
-        self.slots.labels(state="free").set(free)
-        self.slots.labels(state="request").set(request)
-        self.slots.labels(state="cached").set(cached)
+        self._free.set(free)
+        self._request.set(request)
+        self._cached.set(cached)
         self.usage.set(usage)
         if queried > self._queried:
             self.queries.inc(queried - self._queried)
