@@ -17,16 +17,15 @@ import torch
 from kvserve.kernels import DecodeWorkspace, get_backend
 from kvserve.runner.messages import GenerateReq
 from kvserve.runner.scheduler import Scheduler, SchedulerConfig
-from kvserve.runner.weights import load_model
 
 from ..runner.runner_procs import (
     attached,
     greedy,
+    load_sharp_tiny,
     memsvc_args,
     memsvc_process,
     random_prompts,
     run_all,
-    sharp_tiny_dir,
     tokens_of,
 )
 
@@ -35,7 +34,7 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    return load_model(str(sharp_tiny_dir(tmp_path_factory)), dtype=torch.float32, device="cpu")
+    return load_sharp_tiny(tmp_path_factory)
 
 
 def generate(tiny: Any, client: Any, backend: str, prompts: list[list[int]], tag: str) -> dict:

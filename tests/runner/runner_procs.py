@@ -51,6 +51,15 @@ def sharp_tiny_dir(tmp_path_factory: Any) -> Path:
     return path
 
 
+def load_sharp_tiny(tmp_path_factory: Any) -> Any:
+    """The sharpened tiny model loaded in fp32 on CPU (a LoadedModel)."""
+    import torch
+
+    from kvserve.runner.weights import load_model
+
+    return load_model(str(sharp_tiny_dir(tmp_path_factory)), dtype=torch.float32, device="cpu")
+
+
 def memsvc_args(config: Any, *, kv_tokens: int = 8192, policy: str = "optimistic", page_size: int = 16,
                 max_context_len: int = 512, max_reqs: int = 64, grow_chunk: int = 32) -> list[str]:
     return [

@@ -11,21 +11,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from kvserve.kernels import get_backend
 from kvserve.runner.messages import GenerateReq, SamplingParams
 from kvserve.runner.scheduler import Scheduler, SchedulerConfig
-from kvserve.runner.weights import load_model
 
 from .runner_procs import (
     attached,
     greedy,
+    load_sharp_tiny,
     memsvc_args,
     memsvc_process,
     random_prompts,
     run_all,
-    sharp_tiny_dir,
     tokens_of,
 )
 
@@ -34,7 +32,7 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    return load_model(str(sharp_tiny_dir(tmp_path_factory)), dtype=torch.float32, device="cpu")
+    return load_sharp_tiny(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
