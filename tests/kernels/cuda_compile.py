@@ -44,9 +44,6 @@ KERNELS = (
     (extend_mod, "_extend_kernel"),
 )
 
-# Shared memory one block may use (opt-in maximum), bytes, per compute capability.
-MAX_SHARED = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
-
 _POINTER_TYPES = {
     torch.float16: "*fp16",
     torch.bfloat16: "*bf16",
@@ -260,7 +257,7 @@ def main() -> None:
         kernel, _, assignment = item.partition(":")
         key, _, value = assignment.partition("=")
         overrides.setdefault(kernel, {})[key] = int(value)
-    cases = args.case or [f"{cap}:{shape.label}:{dtype}" for cap in (90, 80)
+    cases = args.case or [f"{cap}:{shape.label}:{dtype}" for cap in (90, 89, 80)
                           for shape in SHAPES for dtype in DTYPES]
     if not args.json:
         print(f"{'case':22} {'kernel':22} {'warps':>5} {'regs':>4} {'shared B':>9} {'spill B':>7}")

@@ -1,8 +1,8 @@
 """The Triton kernels compiled for real for CUDA GPUs, on any host (no GPU needed).
 
 Every launch that `store_kv`, `decode_attention` and `extend_attention` make is captured
-with the tiles their launchers choose and compiled to a cubin for sm_90 (H100/H200) and
-sm_80 (A100).  The interpreter tests check the arithmetic; these check what the
+with the tiles their launchers choose and compiled to a cubin for sm_90 (H100/H200), sm_89
+(L4, RTX 4090) and sm_80 (A100).  The interpreter tests check the arithmetic; these check what the
 interpreter cannot: that the kernels pass Triton's compiler and ptxas, fit the device's
 shared memory, and do not spill registers.  Running them is left to tests/kernels/test_gpu.py.
 """
@@ -25,14 +25,15 @@ pytestmark = pytest.mark.skipif(
 )
 
 KERNEL_NAMES = {"_store_kv_kernel", "_decode_split_kernel", "_decode_merge_kernel", "_extend_kernel"}
-MAX_SHARED = {80: 166912, 90: 232448}  # bytes one block may use: A100, H100/H200
+MAX_SHARED = {80: 166912, 89: 101376, 90: 232448}  # bytes per block: A100, L4/RTX 4090, H100/H200
 
 CASES = [
-    # every model shape in bf16 on Hopper, the other dtypes on a few, and Ampere
+    # every model shape in bf16 on Hopper, the other dtypes on a few, then Ampere and Ada
     *[f"90:{label}:bf16" for label in ("llama3-8b", "smollm2", "qwen2-7b", "phi-2", "gqa-96", "odd-13")],
     *[f"90:{label}:{dtype}" for label in ("llama3-8b", "smollm2", "gqa-96", "odd-13")
       for dtype in ("fp16", "fp32")],
     "80:llama3-8b:bf16", "80:llama3-8b:fp32", "80:smollm2:fp32",
+    "89:llama3-8b:bf16", "89:phi-2:fp32",
 ]
 
 
