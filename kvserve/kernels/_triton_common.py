@@ -38,6 +38,17 @@ def block(n: int, minimum: int = 16) -> int:
     return max(minimum, triton.next_power_of_2(n))
 
 
+def check_index(name: str, t: torch.Tensor, device: torch.device) -> None:
+    """An index tensor a kernel reads: integer, on the kernel's device, unit stride last."""
+    if t.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, the kernel runs on {device}")
+    if t.dim() not in (1, 2) or (t.numel() and t.stride(-1) != 1):
+        raise ValueError(f"{name} must be 1-D or 2-D with unit stride last, got shape "
+                         f"{tuple(t.shape)} strides {t.stride()}")
+
+
 def check_cache(name: str, cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
     """A cache layer must be [size, Hkv, D] with unit stride along D."""
     if cache.dim() != 3 or tuple(cache.shape[1:]) != (num_kv_heads, head_dim):

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.kernels._triton_common import block, check_cache
+from kvserve.kernels._triton_common import block, check_cache, check_index
 
 
 @triton.jit
@@ -64,6 +64,7 @@ def _launch_store_kv(
         raise ValueError("k and v must be contiguous along head_dim")
     check_cache("k_cache", k_cache, hkv, d)
     check_cache("v_cache", v_cache, hkv, d)
+    check_index("out_cache_loc", out_cache_loc, k.device)
     if t == 0:
         return
     _store_kv_kernel[(t,)](

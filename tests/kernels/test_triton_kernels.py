@@ -98,3 +98,13 @@ def test_launcher_rejects_bad_shapes():
     with pytest.raises(ValueError, match="kv heads"):
         extend_attention(b.q[:, :3], k_cache=b.k_cache, v_cache=b.v_cache, meta=b.meta,
                          sm_scale=0.25)
+    wide = torch.zeros(b.req_to_token.shape[0], 2 * b.req_to_token.shape[1], dtype=torch.int32)
+    b.meta.req_to_token = wide[:, ::2]  # a strided view: the kernels assume unit stride
+    with pytest.raises(ValueError, match="req_to_token must be 1-D or 2-D with unit stride"):
+        decode_attention(b.q, k_cache=b.k_cache, v_cache=b.v_cache, meta=b.meta, sm_scale=0.25)
+    b.meta.req_to_token = b.req_to_token.float()
+    with pytest.raises(ValueError, match="req_to_token must be int32 or int64"):
+        extend_attention(b.q, k_cache=b.k_cache, v_cache=b.v_cache, meta=b.meta, sm_scale=0.25)
+    with pytest.raises(ValueError, match="out_cache_loc must be int32 or int64"):
+        store_kv(b.k, b.v, k_cache=b.k_cache, v_cache=b.v_cache,
+                 out_cache_loc=b.meta.out_cache_loc.float())
