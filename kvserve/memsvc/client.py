@@ -35,6 +35,7 @@ from kvserve.memsvc.protocol import (
     StepReply,
 )
 from kvserve.memsvc.sharing import open_buffer
+from kvserve.procs import pid_alive
 from kvserve.wire import WireError
 
 HEARTBEAT_INTERVAL_S = 0.3
@@ -76,7 +77,6 @@ class MemClient:
     def _socket(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
         sock.linger = 0
-        sock.rcvtimeo = int(self.timeout_s * 1000)  # recv raises zmq.Again after that
         sock.connect(self.address)
         return sock
 
@@ -86,6 +86,7 @@ class MemClient:
             if self._sock is None:
                 self._sock = self._socket()
             sock = self._sock
+        sock.rcvtimeo = int(self.timeout_s * 1000)  # recv raises zmq.Again after that
         sock.send(CODEC.encode(msg))
         try:
             frame = sock.recv()
@@ -123,7 +124,8 @@ class MemClient:
         self.layout, self.lease, self._usage = reply.layout, reply.lease, reply.kv_usage
         self.lease_lost = False
         self._hb_stop.clear()
-        self._hb_thread = threading.Thread(target=self._heartbeat_loop, args=(reply.lease,),
+        self._hb_thread = threading.Thread(target=self._heartbeat_loop,
+                                           args=(reply.lease, reply.memsvc_pid),
                                            name=f"memsvc-heartbeat-{self.name}", daemon=True)
         self._hb_thread.start()
         return reply.layout
@@ -177,10 +179,13 @@ class MemClient:
             self._hb_thread.join(timeout=self.timeout_s + 1)
         self._hb_thread = None
 
-    def _heartbeat_loop(self, lease: int) -> None:
+    def _heartbeat_loop(self, lease: int, memsvc_pid: int) -> None:
         sock = self._socket()
         try:
             while not self._hb_stop.wait(HEARTBEAT_INTERVAL_S):
+                if not pid_alive(memsvc_pid):  # memsvc died (pid 0: remote, rely on replies)
+                    self.lease_lost = True
+                    return
                 try:
                     reply = self._request(Heartbeat(lease=lease), sock)
                     self._usage = getattr(reply, "kv_usage", self._usage)

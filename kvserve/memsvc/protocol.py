@@ -84,6 +84,7 @@ class AttachReply:
     layout: Layout
     buffers: list[BufferHandle]
     kv_usage: float = 0.0
+    memsvc_pid: int = 0  # set when the client is on memsvc's host: it watches this pid
 
 
 @dataclass(slots=True)

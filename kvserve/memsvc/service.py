@@ -42,6 +42,7 @@ from kvserve.memsvc.protocol import (
     StepReply,
 )
 from kvserve.memsvc.storage import KVStorage, ReqToTokenPool
+from kvserve.procs import pid_alive
 from kvserve.wire import WireError
 
 log = logging.getLogger("kvserve.memsvc")
@@ -56,20 +57,6 @@ class Lease:
     pid: int
     local: bool
     last_seen: float
-
-
-def _pid_gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] == "Z"  # a zombie is dead
-    except OSError:
-        return True
 
 
 class MemsvcService:
@@ -141,7 +128,7 @@ class MemsvcService:
         now = time.monotonic() if now is None else now
         gone = [lease for lease in self.leases.values()
                 if now - lease.last_seen > self.lease_timeout_s
-                or (lease.local and self.local_pids and _pid_gone(lease.pid))]
+                or (lease.local and self.local_pids and not pid_alive(lease.pid))]
         for lease in gone:
             rows = self.pool.drop_lease(lease.lease)
             del self.leases[lease.lease]
@@ -196,7 +183,7 @@ class MemsvcService:
         log.info("memsvc: attached %s (pid %d) lease %d", msg.name, msg.pid, lease_id)
         return AttachReply(lease=lease_id, layout=mine,
                            buffers=self.kv.handles() + self.table.handles(),
-                           kv_usage=self.pool.kv_usage())
+                           kv_usage=self.pool.kv_usage(), memsvc_pid=os.getpid() if local else 0)
 
     def _step(self, msg: Step) -> StepReply | ErrorReply:
         if self._lease(msg.lease) is None:

@@ -7,29 +7,11 @@ and calls `reap(now)` to find runners that went silent or whose pid is gone.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvserve.procs import pid_alive
 from kvserve.runner.messages import RUNNER_TIMEOUT_S, Hello, RunnerStatus
-
-
-def pid_alive(pid: int) -> bool:
-    """True when `pid` exists on this host and is not a zombie."""
-    if pid <= 0:
-        return True  # unknown (e.g. a remote runner): rely on the status timeout
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-        return state not in (b"Z", b"X")
-    except (OSError, IndexError):
-        return True
 
 
 @dataclass(slots=True)

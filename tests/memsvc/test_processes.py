@@ -98,3 +98,24 @@ def test_share_prefix_reclaim_and_restart(run_dir: Path, memsvc_factory) -> None
         assert svc.stop() == 0
     assert os.listdir(run_dir) == []
     assert set(os.listdir("/dev/shm")) - shm_before == set()
+
+
+@pytest.mark.timeout(60)
+def test_client_notices_memsvc_death_within_a_heartbeat(run_dir: Path, memsvc_factory) -> None:
+    # A runner on memsvc's host must not wait for a timeout or a restarted memsvc to learn
+    # that its pool is gone: the heartbeat thread watches memsvc's pid.
+    with memsvc_factory(run_dir) as svc:
+        client = MemClient(svc.address, name="watcher", timeout_s=10)
+        try:
+            layout = client.attach(n_layers=2, n_kv_heads=2, head_dim=8)
+            assert layout.n_layers == 2 and not client.lease_lost
+            time.sleep(0.5)
+            assert not client.lease_lost  # heartbeats are answered while memsvc lives
+            os.kill(svc.proc.pid, signal.SIGKILL)
+            svc.proc.wait(timeout=10)
+            killed = time.monotonic()
+            assert wait_for(lambda: client.lease_lost, 3)
+            assert time.monotonic() - killed < 1.0
+        finally:
+            client.lease = None  # memsvc is gone: nothing to detach from
+            client.close()
