@@ -154,7 +154,7 @@ def _launch_decode(
     group = hq // hkv
     cdtype = compute_dtype(_decode_split_kernel, q.dtype)
     block_d = block(d)
-    block_n = _key_block(q.dtype, block_d)
+    block_n, num_warps = _split_tiles(q.dtype, block_d)
     _decode_split_kernel[(bsz, hkv, num_splits)](
         q, k_cache, v_cache, meta.req_to_token, meta.req_pool_indices, meta.seq_lens,
         o_part, ml_part,
@@ -167,7 +167,7 @@ def _launch_decode(
         GROUP=group, HEAD_DIM=d,
         BLOCK_H=block(group), BLOCK_D=block_d, BLOCK_N=block_n,
         CDTYPE=cdtype, DOT_PRECISION=dot_precision(cdtype),
-        num_warps=8,
+        num_warps=num_warps,
     )
     _decode_merge_kernel[(bsz, hq)](
         o_part, ml_part, out, num_splits,
@@ -178,16 +178,19 @@ def _launch_decode(
     )
 
 
-def _key_block(dtype: torch.dtype, block_d: int) -> int:
-    """Keys per block of the split kernel (run with 8 warps) for the input dtype.
+def _split_tiles(dtype: torch.dtype, block_d: int) -> tuple[int, int]:
+    """(keys per block, warps) of the split kernel for the input dtype and head-dim block.
 
-    Chosen so that no configuration spills registers on sm_80 / sm_90: fp32 dots run on
-    FMA units with the whole tile in registers, so fp32 takes half the keys per block.
+    Chosen so that no configuration spills registers on sm_80 / sm_89 / sm_90: fp32 dots
+    run on FMA units with the whole tile in registers, so fp32 takes half the keys per
+    block; head dims above 64 need 8 warps to hold the tile.  ptxas's own report in
     tests/kernels/test_cuda_compile.py holds every choice to that.
     """
     if dtype == torch.float32:
-        return 32
-    return 64 if block_d <= 128 else 32
+        return 32, 8
+    if block_d <= 64:
+        return 64, 4
+    return (64 if block_d <= 128 else 32), 8
 
 
 def decode_attention(

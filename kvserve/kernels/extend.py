@@ -137,7 +137,7 @@ def _launch_extend(
 def _key_block(dtype: torch.dtype, block_d: int) -> int:
     """Keys per inner-loop block for a query tile of `block_q` (64) rows and 8 warps.
 
-    Chosen so that no configuration spills registers on sm_80 / sm_90 (fp32 dots run on
+    Chosen so that no configuration spills registers on sm_80/89/90 (fp32 dots run on
     FMA units and hold the whole tile in registers); tests/kernels/test_cuda_compile.py
     holds every choice to that.
     """

@@ -4,8 +4,8 @@ The public functions (`store_kv`, `decode_attention`, `extend_attention`) are ca
 CPU tensors with their kernels swapped for recorders, so every launch is captured with
 the exact constexprs, dtypes and `num_warps` its launcher chose.  Each captured launch is
 then handed to the real Triton compiler for a CUDA target (TTIR -> TTGIR -> LLVM -> PTX ->
-cubin through the `ptxas` bundled with Triton) and its resource usage read back from the
-cubin with the bundled `cuobjdump`.  Nothing runs on a GPU: this proves the kernels
+cubin through the `ptxas` bundled with Triton), and its resource usage is read from
+ptxas's own report (registers, stack frame, spill stores).  Nothing runs on a GPU: this proves the kernels
 compile and fit a device's limits, not that their results are right.
 
 Run it as its own process, without TRITON_INTERPRET (the interpreter rewrites
@@ -17,16 +17,14 @@ shape, dtype and architecture; `--json --case 90:llama3-8b:bf16` gives records.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stdout
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import triton
@@ -71,7 +69,8 @@ class Resources:
     name: str
     registers: int
     shared: int  # bytes, as Triton allocates it at launch
-    local: int  # bytes of local memory per thread: > 0 means register spills
+    spills: int  # bytes of spill stores per thread (ptxas -v)
+    stack: int  # bytes of stack frame per thread
     num_warps: int
 
 
@@ -115,8 +114,12 @@ def _arg_type(name: str, value: object) -> str:
     raise TypeError(f"argument {name}: cannot type {type(value).__name__} for a launch")
 
 
-def compile_launch(launch: Launch, capability: int = 90) -> triton.compiler.CompiledKernel:
-    """Compile one captured launch for `sm_<capability>` (raises on any compile error)."""
+def compile_launch(launch: Launch, capability: int = 90) -> Resources:
+    """Compile one captured launch for `sm_<capability>`; raises on any compile error.
+
+    Triton runs ptxas with -v; TRITON_DUMP_PTXAS_LOG makes it print that report, and
+    TRITON_ALWAYS_COMPILE keeps a cached cubin from hiding it.
+    """
     jit = triton.JITFunction(launch.fn)
     kwargs = dict(launch.kwargs)
     options = {key: kwargs.pop(key) for key in _LAUNCH_OPTIONS if key in kwargs}
@@ -132,27 +135,25 @@ def compile_launch(launch: Launch, capability: int = 90) -> triton.compiler.Comp
             constexprs[name] = kwargs[name]
         else:
             signature[name] = _arg_type(name, values[name])
-    source = ASTSource(jit, signature, constexprs)
-    return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
+    os.environ.update(TRITON_DUMP_PTXAS_LOG="1", TRITON_ALWAYS_COMPILE="1")
+    log = io.StringIO()
+    with redirect_stdout(log):
+        kernel = triton.compile(ASTSource(jit, signature, constexprs),
+                                target=GPUTarget("cuda", capability, 32), options=options)
+    return _resources(kernel, log.getvalue())
 
 
-def resources(kernel: triton.compiler.CompiledKernel) -> Resources:
-    """Registers and local memory from the cubin (`cuobjdump -res-usage`), shared from Triton."""
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "kernel.cubin"
-        path.write_bytes(kernel.asm["cubin"])
-        text = subprocess.run([str(tool), "-res-usage", str(path)], check=True,
-                              capture_output=True, text=True).stdout
-    usage = re.search(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)", text)
-    if usage is None:
-        raise RuntimeError(f"no resource usage in cuobjdump output:\n{text}")
-    reg, stack, _static_shared, local = (int(x) for x in usage.groups())
+def _resources(kernel: triton.compiler.CompiledKernel, ptxas_log: str) -> Resources:
+    regs = re.search(r"Used (\d+) registers", ptxas_log)
+    frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores", ptxas_log)
+    if regs is None or frame is None:
+        raise RuntimeError(f"no ptxas report for {kernel.metadata.name}:\n{ptxas_log}")
     return Resources(
         name=kernel.metadata.name,
-        registers=reg,
+        registers=int(regs.group(1)),
         shared=int(kernel.metadata.shared),
-        local=max(local, stack),
+        spills=int(frame.group(2)),
+        stack=int(frame.group(1)),
         num_warps=int(kernel.metadata.num_warps),
     )
 
@@ -233,12 +234,12 @@ def compile_case(
         record = {"case": case, "kernel": launch.fn.__name__,
                   "constexprs": sorted(k for k in launch.kwargs if not k.startswith("num_"))}
         try:
-            usage = resources(compile_launch(launch, int(capability)))
+            usage = compile_launch(launch, int(capability))
         except Exception as exc:  # noqa: BLE001 - reported per launch, the caller asserts
             record["error"] = f"{type(exc).__name__}: {exc}"
         else:
-            record.update(registers=usage.registers, shared=usage.shared, local=usage.local,
-                          num_warps=usage.num_warps)
+            record.update(registers=usage.registers, shared=usage.shared, spills=usage.spills,
+                          stack=usage.stack, num_warps=usage.num_warps)
         records.append(record)
     return records
 
@@ -269,7 +270,7 @@ def main() -> None:
                 print(f"{case:22} {r['kernel']:22} ERROR {r['error'].splitlines()[0]}")
             else:
                 print(f"{case:22} {r['kernel']:22} {r['num_warps']:>5} {r['registers']:>4} "
-                      f"{r['shared']:>9} {r['local']:>7}", flush=True)
+                      f"{r['shared']:>9} {r['spills']:>7}", flush=True)
 
 
 if __name__ == "__main__":

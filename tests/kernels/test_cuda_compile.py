@@ -74,7 +74,7 @@ def test_kernels_compile_within_device_limits(compiled, case):
     for r in records:
         where = f"{r['kernel']} {case}"
         assert "error" not in r, f"{where}: {r.get('error')}"
-        assert r["local"] == 0, f"{where}: {r['local']} B of register spills ({r['registers']} regs)"
+        assert r["spills"] == 0, f"{where}: {r['spills']} B of register spills ({r['registers']} regs)"
         assert r["shared"] <= MAX_SHARED[capability], f"{where}: {r['shared']} B shared memory"
 
 
@@ -90,4 +90,4 @@ def test_a_spilling_tile_is_caught(tmp_path):
                             "_extend_kernel:BLOCK_N=64", "--override", "_extend_kernel:num_warps=4",
                             "--only", "_extend_kernel", workers=1)
     extend = [r for r in records if r["kernel"] == "_extend_kernel"]
-    assert extend and extend[0]["local"] > 0
+    assert extend and extend[0]["spills"] > 0
