@@ -131,17 +131,14 @@ class Pool:
 
     def grow(self, lease: int, item: Grow) -> GrowResult:
         """Make the row hold at least item.capacity slots."""
-        rid, capacity = item.rid, item.capacity
-        row = self.rows.get((lease, rid))  # what _get does, inline: the step's hottest item
-        if row is None:
-            row = self._get(lease, rid, "grow")
-        if capacity > self.max_context_len:
-            raise ItemError(f"grow rid {rid}: capacity {capacity} exceeds "
+        row = self._get(lease, item.rid, "grow")
+        if item.capacity > self.max_context_len:
+            raise ItemError(f"grow rid {item.rid}: capacity {item.capacity} exceeds "
                             f"max_context_len {self.max_context_len}")
         have = len(row.slots)
-        if capacity <= have:
-            return GrowResult(rid, True, have)
-        fresh = self._alloc(self._round(capacity) - have)
+        if item.capacity <= have:
+            return GrowResult(item.rid, True, capacity=have)
+        fresh = self._alloc(self._round(item.capacity) - have)
         if fresh is None:
             return GrowResult(item.rid, False, capacity=have, reason=REASON_EXHAUSTED)
         self._write_row(row.row, have, fresh)
