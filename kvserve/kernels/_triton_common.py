@@ -49,6 +49,18 @@ def check_index(name: str, t: torch.Tensor, device: torch.device) -> None:
                          f"{tuple(t.shape)} strides {t.stride()}")
 
 
+def check_step_indices(meta: object, names: tuple[str, ...], device: torch.device) -> None:
+    """`check_index` of the named tensors of a step's metadata, once per step: every layer
+    of the step launches with the same tensors, so the first launch's check stands for all.
+    """
+    key = f"checked {' '.join(names)} on {device}"
+    cache = meta.backend_cache
+    if key not in cache:
+        for name in names:
+            check_index(name, getattr(meta, name), device)
+        cache[key] = True
+
+
 def check_cache(name: str, cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
     """A cache layer must be [size, Hkv, D] with unit stride along D."""
     if cache.dim() != 3 or tuple(cache.shape[1:]) != (num_kv_heads, head_dim):

@@ -19,7 +19,7 @@ from kvserve.kernels._triton_common import (
     LOG2E,
     block,
     check_cache,
-    check_index,
+    check_step_indices,
     compute_dtype,
     dot_precision,
 )
@@ -142,8 +142,7 @@ def _launch_decode(
         raise ValueError(f"q {tuple(q.shape)} does not fit batch {meta.batch_size} / {hkv} kv heads")
     check_cache("k_cache", k_cache, hkv, d)
     check_cache("v_cache", v_cache, hkv, d)
-    for name in ("req_to_token", "req_pool_indices", "seq_lens"):
-        check_index(name, getattr(meta, name), q.device)
+    check_step_indices(meta, ("req_to_token", "req_pool_indices", "seq_lens"), q.device)
     if out.shape != q.shape or out.stride(2) != 1:
         raise ValueError(f"out must be {tuple(q.shape)} contiguous along D, got {tuple(out.shape)}")
     if o_part.shape[0] < bsz or o_part.shape[1] != hq or o_part.shape[2] < num_splits \

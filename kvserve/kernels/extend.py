@@ -19,7 +19,7 @@ from kvserve.kernels._triton_common import (
     LOG2E,
     block,
     check_cache,
-    check_index,
+    check_step_indices,
     compute_dtype,
     dot_precision,
 )
@@ -108,9 +108,8 @@ def _launch_extend(
         raise ValueError(f"q {tuple(q.shape)} does not fit {meta.num_tokens} tokens / {hkv} kv heads")
     check_cache("k_cache", k_cache, hkv, d)
     check_cache("v_cache", v_cache, hkv, d)
-    for name in ("req_to_token", "req_pool_indices", "prefix_lens", "extend_lens", "qo_indptr",
-                 "q_tile_to_batch", "q_tile_to_index"):
-        check_index(name, getattr(meta, name), q.device)
+    check_step_indices(meta, ("req_to_token", "req_pool_indices", "prefix_lens", "extend_lens",
+                              "qo_indptr", "q_tile_to_batch", "q_tile_to_index"), q.device)
     if out.shape != q.shape or out.stride(2) != 1:
         raise ValueError(f"out must be {tuple(q.shape)} contiguous along D, got {tuple(out.shape)}")
     n_tiles = meta.q_tile_to_batch.numel()
