@@ -199,8 +199,9 @@ class Codec(Generic[T]):
     def __init__(self, *classes: type) -> None:
         self._by_tag: dict[str, type] = {}
         self._hints: dict[type, dict[str, Any]] = {}
-        self._decoders: dict[type, Callable[[Any], Any]] = {}
-        self._encoders: dict[type, Callable[[Any], dict]] = {}
+        # Keyed by the message class, or ("array" | "list", cls) for nested dataclasses.
+        self._decoders: dict[Any, Callable[[Any], Any]] = {}
+        self._encoders: dict[Any, Callable[[Any], Any]] = {}
         for cls in classes:
             self.register(cls)
 
@@ -381,15 +382,12 @@ class Codec(Generic[T]):
         return enc(msg)
 
     def _array(self, msg: Any) -> list:
-        return self._array_encoder(type(msg))(msg)
-
-    def _array_encoder(self, cls: type) -> Callable[[Any], list]:
-        enc = self._encoders.get(("array", cls))
+        enc = self._encoders.get(("array", type(msg)))
         if enc is None:
-            enc = self._encoders[("array", cls)] = self._compile_encoder(cls, nested=True)
-        return enc
+            enc = self._encoders[("array", type(msg))] = self._compile_encoder(type(msg), nested=True)
+        return enc(msg)
 
-    def _value_exprs(self, cls: type, obj: str, env: dict[str, Any]) -> list[str]:
+    def _value_exprs(self, cls: type, obj: str) -> list[str]:
         """Expressions giving the wire value of each field of `obj` (an instance of `cls`)."""
         hints = self._type_hints(cls)
         values = []
@@ -403,7 +401,7 @@ class Codec(Generic[T]):
             elif typing.get_origin(tp) is list and dataclasses.is_dataclass(item):
                 if all(_is_plain(t) for t in self._type_hints(item).values()):
                     # A list of flat items (the step's grow/admit/... lists): one comprehension.
-                    inner = ", ".join(self._value_exprs(item, "x", env))
+                    inner = ", ".join(self._value_exprs(item, "x"))
                     values.append(f"[[{inner}] for x in {get}]")
                 else:
                     values.append(f"[array(x) for x in {get}]")
@@ -414,7 +412,7 @@ class Codec(Generic[T]):
     def _compile_encoder(self, cls: type, nested: bool = False) -> Callable[[Any], Any]:
         """Generate `msg -> dict` (a message) or `msg -> list` (a nested dataclass)."""
         env: dict[str, Any] = {"array": self._array, "_to_plain": _to_plain}
-        values = self._value_exprs(cls, "m", env)
+        values = self._value_exprs(cls, "m")
         if nested:
             body = f"[{', '.join(values)}]"
         else:
