@@ -117,13 +117,17 @@ class Service:
         except grpc.RpcError:
             return -1
 
-    def wait_serving(self, timeout: float) -> bool:
+    def wait_health(self, status: int, timeout: float) -> bool:
+        """Poll the health service until it reports `status` (False after `timeout` s)."""
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            if self.health_status() == SERVING:
+            if self.health_status() == status:
                 return True
             time.sleep(0.1)
         return False
+
+    def wait_serving(self, timeout: float) -> bool:
+        return self.wait_health(SERVING, timeout)
 
     def stats(self) -> StatsReply:
         client = MemClient(f"ipc://{self.runtime / 'memsvc.sock'}", name="fault-test", timeout_s=3.0)

@@ -9,24 +9,18 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
 import signal
-import subprocess
-import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from kvserve.v1 import generator_pb2 as pb
 from kvserve.v1 import generator_pb2_grpc as pb_grpc
-from tests.faults.harness import children_of, free_block
+from tests.faults.harness import Service, children_of, start_serve, stop_serve
 
 _MISSING = [m for m in ("kvserve.runner.worker", "kvserve.memsvc.server") if importlib.util.find_spec(m) is None]
 pytestmark = [
@@ -38,74 +32,16 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-@dataclass
-class Service:
-    proc: subprocess.Popen
-    port: int
-    metrics_base: int
-    runtime: Path
-    stub: pb_grpc.GeneratorStub
-    health: health_pb2_grpc.HealthStub
-
-    def health_status(self) -> int:
-        try:
-            return self.health.Check(health_pb2.HealthCheckRequest(service="kvserve.v1.Generator"),
-                                     timeout=2).status
-        except grpc.RpcError:
-            return -1
-
-    def wait_health(self, status: int, timeout: float) -> bool:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if self.health_status() == status:
-                return True
-            time.sleep(0.1)
-        return False
-
-    def memsvc_request_slots(self) -> float:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_base + 1}/metrics", timeout=5).read().decode()
-        m = re.search(r'^kvserve_kv_cache_slots\{state="request"\} (\S+)$', text, re.M)
-        assert m, "memsvc exports no kvserve_kv_cache_slots{state=\"request\"}"
-        return float(m.group(1))
-
-
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    runtime = tmp_path_factory.mktemp("serve-rt")
-    port, metrics = free_block(1), free_block(4)
-    env = dict(os.environ, KVSERVE_RUNTIME_DIR=str(runtime))
-    env.pop("NOTIFY_SOCKET", None)
-    shm_before = set(os.listdir("/dev/shm"))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvserve.runner.cli", "serve", "--dtype", "float32", "--device", "cpu",
-         "--port", str(port), "--metrics-port", str(metrics), "--runtime-dir", str(runtime),
-         "--kv-tokens", "16384"],
-        env=env, stdout=subprocess.PIPE, text=True,
-    )
-    try:
-        for line in proc.stdout:
-            if line.startswith("kvserve serving on"):
-                break
-        else:
-            pytest.fail(f"kvserve serve exited with {proc.wait()} before it was ready")
-        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-        yield Service(proc, port, metrics, runtime, pb_grpc.GeneratorStub(channel),
-                      health_pb2_grpc.HealthStub(channel))
-        channel.close()
-    finally:
-        children = list(children_of(proc.pid))
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            rc = proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = proc.wait()
-        proc.stdout.close()
-    assert rc == 0
-    assert not [pid for pid in children if Path(f"/proc/{pid}").exists()], "children left running"
-    assert list(runtime.iterdir()) == []
-    assert set(os.listdir("/dev/shm")) - shm_before == set()
+    svc = start_serve(tmp_path_factory.mktemp("serve-rt"), None, "--kv-tokens", "16384",
+                      ready_s=600.0)
+    yield svc
+    assert stop_serve(svc) == 0  # also: no child left, runtime dir and /dev/shm clean
+
+
+def _request_slots(service: Service) -> float:
+    return service.metric(1, 'kvserve_kv_cache_slots{state="request"}')
 
 
 def _run(stub: pb_grpc.GeneratorStub, req: pb.GenerateRequest, timeout: float = 300) -> list[pb.GenerateResponse]:
@@ -167,9 +103,9 @@ def test_cancel_half_frees_request_slots(service: Service) -> None:
         rest = list(pool.map(list, calls[8:]))
     assert all(r[-1].finish_reason == "length" for r in rest)
     end = time.monotonic() + 10
-    while service.memsvc_request_slots() != 0 and time.monotonic() < end:
+    while _request_slots(service) != 0 and time.monotonic() < end:
         time.sleep(0.1)
-    assert service.memsvc_request_slots() == 0
+    assert _request_slots(service) == 0
 
 
 @pytest.mark.parametrize(("sampling", "field"), [
