@@ -67,6 +67,17 @@ def children_of(pid: int) -> dict[int, str]:
     return out
 
 
+def stop_process(proc: subprocess.Popen, timeout: float = 15.0) -> int:
+    """SIGTERM `proc` if it still runs, wait up to `timeout` s, then SIGKILL; its exit status."""
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
 def rss_kib(pid: int) -> int:
     """Resident set size of `pid` in KiB (0 when it is gone)."""
     try:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from ..faults.harness import stop_process
+
 SMALL = ["--n-layers", "2", "--n-kv-heads", "2", "--head-dim", "8", "--kv-tokens", "256",
          "--max-reqs", "8", "--max-context-len", "64", "--lease-timeout-s", "1.0",
          "--integrity-interval-s", "0.3"]
@@ -35,13 +37,7 @@ class Memsvc:
             return r.read().decode()
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-        try:
-            return self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
+        return stop_process(self.proc)
 
 
 @contextmanager

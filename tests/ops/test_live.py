@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults.harness import children_of, free_block
+from tests.faults.harness import children_of, free_block, stop_process
 
 from .opsfiles import PROM_DIR, dashboard_exprs, promql_metric_names
 
@@ -306,12 +306,7 @@ def test_real_prometheus_scrapes_the_service(service: Service, tmp_path: Path) -
     finally:
         stop.set()
         worker.join(timeout=90)
-        prom.terminate()
-        try:
-            prom.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            prom.kill()
-            prom.wait()
+        stop_process(prom)
 
 
 @pytest.mark.timeout(120)

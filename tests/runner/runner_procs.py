@@ -22,6 +22,7 @@ import torch
 from kvserve.memsvc.client import MemClient
 from kvserve.runner.messages import GenerateReq, SamplingParams, TokenOut
 
+from ..faults.harness import stop_process
 from .tinymodel import write_tiny_model
 
 SHARPEN = {"self_attn": 4.0, "mlp": 4.0}
@@ -92,13 +93,7 @@ def memsvc_process(run_dir: Path, args: list[str], name: str = "memsvc") -> Iter
                 raise RuntimeError(f"memsvc did not start (exit {proc.poll()}): {err[-2000:]}")
         yield address
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
         for stream in (proc.stdout, proc.stderr):
             if stream is not None:
                 stream.close()
