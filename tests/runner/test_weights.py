@@ -96,6 +96,12 @@ def _edit_config(path: Path, **changes) -> None:
     (path / "config.json").write_text(json.dumps(cfg))
 
 
+def _drop_tensor(path: Path, name: str) -> None:
+    tensors = load_file(str(path / "model.safetensors"))
+    del tensors[name]
+    save_file(tensors, str(path / "model.safetensors"))
+
+
 def test_missing_path(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="no such file"):
         load_model(str(tmp_path / "nope.gguf"))
@@ -139,9 +145,7 @@ def test_shape_mismatch_names_tensor(tiny: Path, tmp_path: Path) -> None:
 
 def test_missing_tensor_named(tiny: Path, tmp_path: Path) -> None:
     bad = _copy(tiny, tmp_path / "bad")
-    tensors = load_file(str(bad / "model.safetensors"))
-    del tensors["model.layers.1.post_attention_layernorm.weight"]
-    save_file(tensors, str(bad / "model.safetensors"))
+    _drop_tensor(bad, "model.layers.1.post_attention_layernorm.weight")
     with pytest.raises(
         ModelLoadError, match=r"missing tensor model\.layers\.1\.post_attention_layernorm"
     ):
@@ -150,9 +154,7 @@ def test_missing_tensor_named(tiny: Path, tmp_path: Path) -> None:
 
 def test_untied_config_without_lm_head(tiny: Path, tmp_path: Path) -> None:
     bad = _copy(tiny, tmp_path / "bad")
-    tensors = load_file(str(bad / "model.safetensors"))
-    del tensors["lm_head.weight"]
-    save_file(tensors, str(bad / "model.safetensors"))
+    _drop_tensor(bad, "lm_head.weight")
     with pytest.raises(ModelLoadError, match="missing tensor lm_head.weight"):
         load_weights(bad)
 
