@@ -31,8 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvserve.modelfile import resolve_model  # noqa: E402
-from kvserve.runner.bench import Record, _one, _percentile  # noqa: E402
+from kvserve.model.files import resolve_model  # noqa: E402
+from kvserve.tools.bench import Record, _one, _percentile  # noqa: E402
 
 PEER_VENV = ROOT / ".peers" / "llamacpp"
 LLAMA_CMAKE = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON "
@@ -94,7 +94,7 @@ class KvserveServer:
         env = dict(os.environ, KVSERVE_RUNTIME_DIR=self.tmp.name, PYTHONUNBUFFERED="1")
         self.log = open(Path(self.tmp.name) / "serve.log", "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvserve.runner.cli", "serve", "--dtype", dtype, "--port", str(self.port),
+            [sys.executable, "-m", "kvserve.cli", "serve", "--dtype", dtype, "--port", str(self.port),
              "--metrics-port", "0", *extra],
             env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
 
@@ -216,7 +216,7 @@ def main() -> int:
     peers = [x for x in args.peers.split(",") if x]
     wanted = args.workloads.split(",")
     model = resolve_model(None)
-    from kvserve.runner.weights import load_tokenizer
+    from kvserve.model.weights import load_tokenizer
 
     tok = load_tokenizer(None)
     mixed_concs = [int(c) for c in args.mixed_concurrency.split(",")]

@@ -25,8 +25,8 @@ import zmq
 
 from kvserve.memsvc.allocator import PageAllocator
 from kvserve.memsvc.client import Admit, Grow, MemClient
-from kvserve.memsvc.protocol import CODEC, Step
 from kvserve.memsvc.radix import RadixCache
+from kvserve.messages.runner_memsvc import CODEC, Step
 
 ECHO = """
 import sys, msgpack, zmq
@@ -45,7 +45,7 @@ def percentiles(samples: list[float]) -> tuple[float, float]:
 def bench_step(iters: int) -> None:
     run = tempfile.mkdtemp(prefix="kvserve-bench-")
     env = dict(os.environ, KVSERVE_RUNTIME_DIR=run)
-    memsvc = subprocess.Popen([sys.executable, "-m", "kvserve.runner.cli", "memsvc", "--n-layers", "2",
+    memsvc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "memsvc", "--n-layers", "2",
                                "--n-kv-heads", "2", "--head-dim", "8", "--kv-tokens", "65536",
                                "--max-reqs", "128", "--max-context-len", "512", "--metrics-port", "0"],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)

@@ -3,7 +3,7 @@
 Both run greedy decoding of the same static batch of equal-length prompts (~128 tokens
 each, different per request) for a fixed number of new tokens, in one dtype, and print
 aggregate tokens/s (all generated tokens over wall time, prefill included). The bare loop
-runs kvserve's own model code with a contiguous cache (kvserve.runner.staticloop).
+runs kvserve's own model code with a contiguous cache (kvserve.tools.staticloop).
 
     .venv/bin/python bench/model_loop.py --dtype bfloat16 --batch-sizes 1,8,32
 """
@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from kvserve.modelfile import resolve_model
-from kvserve.runner.staticloop import static_generate
-from kvserve.runner.weights import load_model
+from kvserve.model.files import resolve_model
+from kvserve.model.weights import load_model
+from kvserve.tools.staticloop import static_generate
 
 TEXT = (
     "The history of computing is a story of people, machines and ideas. Early mechanical "

@@ -2,7 +2,7 @@
 
 Drives `kvserve.runner.scheduler.Scheduler` in-process against a real `kvserve memsvc`
 process and compares it, in the same dtype and on the same prompts, with the bare static
-torch loop (`kvserve.runner.staticloop`, via bench/model_loop.py) and HF `generate`:
+torch loop (`kvserve.tools.staticloop`, via bench/model_loop.py) and HF `generate`:
 
 1. one stream: decode tokens/s at batch 1;
 2. 1, 8 and 32 concurrent requests (prompts 128 tokens, 128 new): aggregate tokens/s
@@ -32,18 +32,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model_loop import make_prompts, run_hf  # noqa: E402
 
+from kvserve.config.runner import resolve_dtype  # noqa: E402
 from kvserve.kernels import get_backend  # noqa: E402
 from kvserve.memsvc.client import MemClient  # noqa: E402
-from kvserve.runner.config import resolve_dtype  # noqa: E402
-from kvserve.runner.messages import GenerateReq, SamplingParams  # noqa: E402
+from kvserve.messages.frontend_runner import GenerateReq, SamplingParams  # noqa: E402
+from kvserve.model.weights import load_model  # noqa: E402
 from kvserve.runner.scheduler import Scheduler, SchedulerConfig  # noqa: E402
-from kvserve.runner.staticloop import static_generate  # noqa: E402
-from kvserve.runner.weights import load_model  # noqa: E402
+from kvserve.tools.staticloop import static_generate  # noqa: E402
 
 
 def start_memsvc(run_dir: Path, model: str | None, dtype: str, kv_tokens: int) -> tuple[subprocess.Popen, str]:
     address = f"ipc://{run_dir}/memsvc.sock"
-    argv = [sys.executable, "-m", "kvserve.runner.cli", "memsvc", "--dtype", dtype, "--kv-tokens",
+    argv = [sys.executable, "-m", "kvserve.cli", "memsvc", "--dtype", dtype, "--kv-tokens",
             str(kv_tokens), "--max-reqs", "128", "--policy", "optimistic", "--page-size", "16",
             "--address", address, "--metrics-port", "0", "--runtime-dir", str(run_dir)]
     if model:

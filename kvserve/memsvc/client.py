@@ -17,7 +17,8 @@ import threading
 import torch
 import zmq
 
-from kvserve.memsvc.protocol import (
+from kvserve.memsvc.sharing import open_buffer
+from kvserve.messages.runner_memsvc import (
     CODEC,
     Admit,
     Attach,
@@ -34,7 +35,6 @@ from kvserve.memsvc.protocol import (
     Step,
     StepReply,
 )
-from kvserve.memsvc.sharing import open_buffer
 from kvserve.procs import pid_alive
 from kvserve.wire import WireError
 

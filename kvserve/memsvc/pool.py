@@ -18,7 +18,8 @@ import torch
 
 from kvserve.memsvc.allocator import PageAllocator
 from kvserve.memsvc.policy import AdmissionPolicy
-from kvserve.memsvc.protocol import (
+from kvserve.memsvc.radix import Node, RadixCache
+from kvserve.messages.runner_memsvc import (
     REASON_EXHAUSTED,
     Admit,
     AdmitResult,
@@ -27,7 +28,6 @@ from kvserve.memsvc.protocol import (
     GrowResult,
     Release,
 )
-from kvserve.memsvc.radix import Node, RadixCache
 
 
 class ItemError(ValueError):

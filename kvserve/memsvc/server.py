@@ -24,8 +24,8 @@ from prometheus_client import start_http_server
 
 from kvserve import sdnotify
 from kvserve.config import ConfigError, add_dataclass_flags, config_from_args
-from kvserve.memsvc.config import MemsvcConfig, resolve_shape
-from kvserve.memsvc.protocol import CODEC, Stats
+from kvserve.config.memsvc import MemsvcConfig, resolve_shape
+from kvserve.messages.runner_memsvc import CODEC, Stats
 from kvserve.paths import runtime_dir
 
 if TYPE_CHECKING:

@@ -21,12 +21,13 @@ from typing import Any
 import torch
 
 from kvserve import __version__
-from kvserve.memsvc.config import PoolShape
+from kvserve.config.memsvc import PoolShape
 from kvserve.memsvc.integrity import check_integrity
 from kvserve.memsvc.metrics import MemsvcMetrics
 from kvserve.memsvc.policy import make_policy
 from kvserve.memsvc.pool import ItemError, Pool
-from kvserve.memsvc.protocol import (
+from kvserve.memsvc.storage import KVStorage, ReqToTokenPool
+from kvserve.messages.runner_memsvc import (
     CODEC,
     Attach,
     AttachReply,
@@ -41,7 +42,6 @@ from kvserve.memsvc.protocol import (
     Step,
     StepReply,
 )
-from kvserve.memsvc.storage import KVStorage, ReqToTokenPool
 from kvserve.procs import pid_alive
 from kvserve.wire import WireError
 

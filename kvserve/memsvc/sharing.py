@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from kvserve.memsvc.protocol import BufferHandle, CudaHandle
+from kvserve.messages.runner_memsvc import BufferHandle, CudaHandle
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

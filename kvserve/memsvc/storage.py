@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.memsvc.protocol import BufferHandle
 from kvserve.memsvc.sharing import SharedBuffer
+from kvserve.messages.runner_memsvc import BufferHandle
 
 
 class KVStorage:

@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from kvserve.runner.messages import SamplingParams
+from kvserve.messages.frontend_runner import SamplingParams
 from kvserve.runner.sampling import SampleRow
 
 

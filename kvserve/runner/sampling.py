@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.runner.messages import SamplingParams, TokenLogprob
+from kvserve.messages.frontend_runner import SamplingParams, TokenLogprob
 
 
 def needs_penalties(params: SamplingParams) -> bool:

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from kvserve.memsvc.protocol import REASON_EXHAUSTED, Admit, Commit, Grow, Layout, Release
+from kvserve.messages.frontend_runner import FinishReason, GenerateReq, TokenOut
+from kvserve.messages.runner_memsvc import REASON_EXHAUSTED, Admit, Commit, Grow, Layout, Release
 from kvserve.runner.batching import ForwardBatch
-from kvserve.runner.messages import FinishReason, GenerateReq, TokenOut
 from kvserve.runner.requests import Request, RequestTable, State
 from kvserve.runner.sampling import (
     PenaltyState,

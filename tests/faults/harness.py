@@ -25,7 +25,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvserve.memsvc.client import MemClient
-from kvserve.memsvc.protocol import StatsReply
+from kvserve.messages.runner_memsvc import StatsReply
 from kvserve.v1 import generator_pb2 as pb
 from kvserve.v1 import generator_pb2_grpc as pb_grpc
 
@@ -117,7 +117,7 @@ class Service:
         out: dict[str, int] = {}
         for pid, cmd in children_of(self.proc.pid).items():
             for role in ROLES:
-                if f"kvserve.runner.cli {role} " in cmd:
+                if f"kvserve.cli {role} " in cmd:
                     out.setdefault(role, pid)
         return out
 
@@ -178,7 +178,7 @@ def start_serve(runtime: Path, model: Path | None, *extra: str, ready_s: float =
     env.pop("NOTIFY_SOCKET", None)
     shm_before = set(os.listdir("/dev/shm"))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvserve.runner.cli", "serve", *(["--model", str(model)] if model else []),
+        [sys.executable, "-m", "kvserve.cli", "serve", *(["--model", str(model)] if model else []),
          "--dtype", "float32",
          "--device", "cpu", "--port", str(port), "--metrics-port", str(metrics),
          "--runtime-dir", str(runtime), "--ready-timeout-s", str(ready_s), *extra],

@@ -20,7 +20,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvserve.memsvc.protocol import CODEC, ErrorReply, Stats
+from kvserve.messages.runner_memsvc import CODEC, ErrorReply, Stats
 from kvserve.v1 import generator_pb2 as pb
 from kvserve.wire import WireError
 

@@ -12,9 +12,9 @@ import pytest
 
 import kvserve
 from kvserve.config import ConfigError
-from kvserve.memsvc.config import MemsvcConfig, resolve_shape
-from kvserve.runner.frontend_config import FrontendConfig, ServeConfig
-from kvserve.runner.serve import Supervisor
+from kvserve.config.frontend import FrontendConfig, ServeConfig
+from kvserve.config.memsvc import MemsvcConfig, resolve_shape
+from kvserve.serve.main import Supervisor
 
 PACKAGE = Path(kvserve.__file__).parent
 
@@ -58,7 +58,7 @@ def test_non_loopback_tcp_needs_allow_remote(address: str) -> None:
 
 
 def test_memsvc_cli_refuses_remote_tcp_with_exit_2(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "kvserve.runner.cli", "memsvc", "--address", "tcp://0.0.0.0:5999",
+    r = subprocess.run([sys.executable, "-m", "kvserve.cli", "memsvc", "--address", "tcp://0.0.0.0:5999",
                         "--runtime-dir", str(tmp_path / "rt")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "not a loopback address" in r.stderr, r.stderr
 

@@ -52,7 +52,7 @@ def start_frontend(runtime: Path, *extra: str, notify_socket: str | None = None)
     env.pop("NOTIFY_SOCKET", None)
     if notify_socket:
         env["NOTIFY_SOCKET"] = notify_socket
-    cmd = [sys.executable, "-m", "kvserve.runner.cli", "frontend", "--tokenizer", "bytes",
+    cmd = [sys.executable, "-m", "kvserve.cli", "frontend", "--tokenizer", "bytes",
            "--port", "0", "--metrics-port", "0", "--runtime-dir", str(runtime),
            "--runner-timeout-s", "0.5", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=env)

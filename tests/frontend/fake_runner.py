@@ -1,4 +1,4 @@
-"""A fake runner for frontend tests: a DEALER thread that speaks kvserve.runner.messages.
+"""A fake runner for frontend tests: a DEALER thread that speaks kvserve.messages.frontend_runner.
 
 It "generates" the UTF-8 bytes of `reply` one token per step (the frontend runs with the
 byte tokenizer), then EOS (256). It reports the pid of its own `sleep` child in `Hello`,
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from kvserve.runner.messages import (
+from kvserve.messages.frontend_runner import (
     DOWN,
     UP,
     AbortReq,

@@ -16,7 +16,7 @@ from kvserve.v1 import generator_pb2_grpc as pb_grpc
 from .conftest import Frontend, start_frontend, stop_frontend
 
 pytestmark = pytest.mark.timeout(60)
-CLI = [sys.executable, "-m", "kvserve.runner.cli"]
+CLI = [sys.executable, "-m", "kvserve.cli"]
 
 
 def test_generate_cli_streams_text(frontend: Frontend, runners) -> None:

@@ -7,8 +7,8 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.runner.detok import IncrementalDetokenizer, StopMatcher, TextStream
-from kvserve.runner.frontend_tokenizer import ByteTokenizer
+from kvserve.frontend.detok import IncrementalDetokenizer, StopMatcher, TextStream
+from kvserve.model.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 

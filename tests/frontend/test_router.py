@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvserve.runner.messages import Hello, RunnerStatus
-from kvserve.runner.router import Router
+from kvserve.frontend.router import Router
+from kvserve.messages.frontend_runner import Hello, RunnerStatus
 
 
 def _hello(rid: str, pid: int = 10) -> Hello:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.runner.frontend_config import FrontendConfig
-from kvserve.runner.frontend_tokenizer import ByteTokenizer
-from kvserve.runner.validation import InvalidArgument, prepare
+from kvserve.config.frontend import FrontendConfig
+from kvserve.frontend.validation import InvalidArgument, prepare
+from kvserve.model.tokenizer import ByteTokenizer
 from kvserve.v1 import generator_pb2 as pb
 
 TOK = ByteTokenizer()

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvserve.kernels import DecodeWorkspace, get_backend
-from kvserve.runner.messages import GenerateReq
+from kvserve.messages.frontend_runner import GenerateReq
 from kvserve.runner.scheduler import Scheduler, SchedulerConfig
 
 from ..runner.runner_procs import (

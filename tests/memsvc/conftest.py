@@ -46,7 +46,7 @@ def start_memsvc(run_dir: Path, *extra: str) -> Iterator[Memsvc]:
     port = free_port()
     env = dict(os.environ, KVSERVE_RUNTIME_DIR=str(run_dir))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvserve.runner.cli", "memsvc", *SMALL, "--metrics-port", str(port), *extra],
+        [sys.executable, "-m", "kvserve.cli", "memsvc", *SMALL, "--metrics-port", str(port), *extra],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )
     svc = Memsvc(proc, f"ipc://{run_dir}/memsvc.sock", port, run_dir)

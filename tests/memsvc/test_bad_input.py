@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from kvserve.memsvc.client import Admit, Grow, MemClient, MemsvcError, Release
-from kvserve.memsvc.protocol import CODEC, StatsReply
+from kvserve.messages.runner_memsvc import CODEC, StatsReply
 
 
 def raw(address: str, *frames: bytes) -> dict:
@@ -92,7 +92,7 @@ def test_bad_messages_and_items(run_dir: Path, memsvc_factory) -> None:
     (["--address", "tcp://8.8.8.8:5555"], "not a loopback address"),
 ])
 def test_config_errors_exit_2(args: list[str], text: str, tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "kvserve.runner.cli", "memsvc", *args],
+    out = subprocess.run([sys.executable, "-m", "kvserve.cli", "memsvc", *args],
                          capture_output=True, text=True, timeout=50,
                          env={"KVSERVE_RUNTIME_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 2, out.stderr

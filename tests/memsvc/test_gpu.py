@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.gpu,
 
 CHILD = """
 import sys, torch
-from kvserve.memsvc.protocol import CODEC
+from kvserve.messages.runner_memsvc import CODEC
 from kvserve.memsvc.sharing import open_buffer
 reply = CODEC.decode(sys.stdin.buffer.read())
 t = open_buffer(reply.buffers[0])
@@ -25,8 +25,8 @@ torch.cuda.synchronize()
 
 @pytest.mark.timeout(120)
 def test_cuda_buffer_shared_with_another_process() -> None:
-    from kvserve.memsvc.protocol import CODEC, AttachReply, Layout
     from kvserve.memsvc.sharing import SharedBuffer
+    from kvserve.messages.runner_memsvc import CODEC, AttachReply, Layout
 
     buf = SharedBuffer("k_buffer", (2, 16, 2, 8), "float32", "cuda:0")
     buf.tensor.fill_(1.0)

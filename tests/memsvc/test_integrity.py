@@ -8,7 +8,7 @@ import torch
 from kvserve.memsvc.integrity import check_integrity
 from kvserve.memsvc.policy import make_policy
 from kvserve.memsvc.pool import Pool
-from kvserve.memsvc.protocol import Admit, Release
+from kvserve.messages.runner_memsvc import Admit, Release
 
 
 def make_pool() -> Pool:

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from kvserve.memsvc.integrity import check_integrity
 from kvserve.memsvc.policy import make_policy
 from kvserve.memsvc.pool import ItemError, Pool
-from kvserve.memsvc.protocol import Admit, Commit, Grow, Release
+from kvserve.messages.runner_memsvc import Admit, Commit, Grow, Release
 
 SYSTEM = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [9, 9, 9, 9]]
 SIZE, MAX_CTX = 48, 24

@@ -30,8 +30,10 @@ def dashboard_exprs() -> list[tuple[str, str]]:
 
 def code_metric_names() -> set[str]:
     """Every series name the metrics classes of the code export."""
+    from kvserve.frontend.metrics import FrontendMetrics
     from kvserve.memsvc.metrics import MemsvcMetrics
-    from kvserve.runner.metrics import FrontendMetrics, RunnerMetrics, exported_names
+    from kvserve.metrics import exported_names
+    from kvserve.runner.metrics import RunnerMetrics
 
     names: set[str] = set()
     for obj in (RunnerMetrics(), FrontendMetrics(), MemsvcMetrics()):

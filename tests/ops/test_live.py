@@ -31,7 +31,7 @@ from tests.faults.harness import children_of, free_block, stop_process
 
 from .opsfiles import PROM_DIR, dashboard_exprs, promql_metric_names
 
-_PARTS = ("kvserve.runner.serve", "kvserve.runner.worker", "kvserve.runner.server",
+_PARTS = ("kvserve.serve.main", "kvserve.runner.main", "kvserve.frontend.main",
           "kvserve.memsvc.server")
 _MISSING = [m for m in _PARTS if importlib.util.find_spec(m) is None]
 
@@ -103,7 +103,7 @@ def _start(tmp: Path, extra: list[str]) -> Service:
                WATCHDOG_USEC="1000000", PYTHONUNBUFFERED="1")
     env.pop("WATCHDOG_PID", None)
     log = tmp / "serve.log"
-    cmd = [sys.executable, "-m", "kvserve.runner.cli", "serve", "--device", "cpu",
+    cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--device", "cpu",
            "--port", str(base), "--metrics-port", str(base + 1), "--kv-tokens", "4096", *extra]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,

@@ -1,4 +1,5 @@
-"""Unit tests of kvserve/runner/metrics.py: names, labels, isolation, the HTTP server."""
+"""Unit tests of the runner's and the frontend's metrics and of kvserve/metrics.py: names,
+labels, isolation, the HTTP server."""
 
 from __future__ import annotations
 
@@ -8,14 +9,9 @@ import urllib.request
 import pytest
 
 from kvserve import __version__
-from kvserve.runner.metrics import (
-    LATENCY_BUCKETS,
-    RUNNER_PHASES,
-    FrontendMetrics,
-    RunnerMetrics,
-    exported_names,
-    serve_metrics,
-)
+from kvserve.frontend.metrics import LATENCY_BUCKETS, FrontendMetrics
+from kvserve.metrics import exported_names, serve_metrics
+from kvserve.runner.metrics import RUNNER_PHASES, RunnerMetrics
 
 
 def _value(registry, name: str, labels: dict[str, str] | None = None) -> float | None:

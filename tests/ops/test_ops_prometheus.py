@@ -93,9 +93,9 @@ def test_up_jobs_match_scrape_config() -> None:
 
 
 def test_scrape_ports_match_config_defaults() -> None:
-    from kvserve.memsvc.config import MemsvcConfig
-    from kvserve.runner.config import RunnerConfig
-    from kvserve.runner.frontend_config import FrontendConfig
+    from kvserve.config.frontend import FrontendConfig
+    from kvserve.config.memsvc import MemsvcConfig
+    from kvserve.config.runner import RunnerConfig
 
     cfg = yaml.safe_load((PROM_DIR / "prometheus.yml").read_text())
     ports = {j["job_name"]: {t.rsplit(":", 1)[1] for s in j["static_configs"] for t in s["targets"]}

@@ -152,9 +152,9 @@ def test_example_config_loads_into_every_process_config() -> None:
     import tomllib
 
     from kvserve.config import load_config
-    from kvserve.memsvc.config import MemsvcConfig
-    from kvserve.runner.config import RunnerConfig
-    from kvserve.runner.frontend_config import FrontendConfig
+    from kvserve.config.frontend import FrontendConfig
+    from kvserve.config.memsvc import MemsvcConfig
+    from kvserve.config.runner import RunnerConfig
 
     env = {}
     for line in (OPS / "kvserve.env").read_text().splitlines():

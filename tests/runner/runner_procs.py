@@ -20,10 +20,10 @@ from typing import Any
 import torch
 
 from kvserve.memsvc.client import MemClient
-from kvserve.runner.messages import GenerateReq, SamplingParams, TokenOut
+from kvserve.messages.frontend_runner import GenerateReq, SamplingParams, TokenOut
 
 from ..faults.harness import stop_process
-from .tinymodel import write_tiny_model
+from ..model.tinymodel import write_tiny_model
 
 SHARPEN = {"self_attn": 4.0, "mlp": 4.0}
 
@@ -56,7 +56,7 @@ def load_sharp_tiny(tmp_path_factory: Any) -> Any:
     """The sharpened tiny model loaded in fp32 on CPU (a LoadedModel)."""
     import torch
 
-    from kvserve.runner.weights import load_model
+    from kvserve.model.weights import load_model
 
     return load_model(str(sharp_tiny_dir(tmp_path_factory)), dtype=torch.float32, device="cpu")
 
@@ -78,7 +78,7 @@ def memsvc_process(run_dir: Path, args: list[str], name: str = "memsvc") -> Iter
     address = f"ipc://{run_dir}/{name}.sock"
     env = dict(os.environ, KVSERVE_RUNTIME_DIR=str(run_dir))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvserve.runner.cli", "memsvc", *args, "--address", address,
+        [sys.executable, "-m", "kvserve.cli", "memsvc", *args, "--address", address,
          "--metrics-port", "0", "--runtime-dir", str(run_dir)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )

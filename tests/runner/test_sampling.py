@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kvserve.runner.messages import SamplingParams
+from kvserve.messages.frontend_runner import SamplingParams
 from kvserve.runner.sampling import (
     PenaltyState,
     Sampler,

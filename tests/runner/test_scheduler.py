@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from kvserve.kernels import get_backend
-from kvserve.runner.messages import GenerateReq, SamplingParams
+from kvserve.messages.frontend_runner import GenerateReq, SamplingParams
 from kvserve.runner.scheduler import Scheduler, SchedulerConfig
 
 from .runner_procs import (

@@ -19,7 +19,7 @@ import torch
 import zmq
 
 from kvserve.kernels import get_backend
-from kvserve.runner.messages import (
+from kvserve.messages.frontend_runner import (
     DOWN,
     UP,
     AbortReq,
@@ -28,8 +28,8 @@ from kvserve.runner.messages import (
     RunnerStatus,
     TokenBatch,
 )
+from kvserve.model.weights import load_model
 from kvserve.runner.scheduler import Scheduler
-from kvserve.runner.weights import load_model
 
 from .runner_procs import (
     attached,
@@ -105,7 +105,7 @@ def test_runner_process_serves_aborts_survives_memsvc_restart(tmp_path_factory: 
                 expected = tokens_of(run_all(sched, [GenerateReq(f"e{i}", p, params) for i, p in enumerate(prompts)]))
             env = dict(os.environ, KVSERVE_RUNTIME_DIR=str(run_dir))
             proc = subprocess.Popen(
-                [sys.executable, "-m", "kvserve.runner.cli", "runner", "--model", str(model_dir),
+                [sys.executable, "-m", "kvserve.cli", "runner", "--model", str(model_dir),
                  "--device", "cpu", "--dtype", "float32", "--memsvc-address", address,
                  "--runner-id", "r1", "--metrics-port", "0", "--threads", "1", "--runtime-dir", str(run_dir)],
                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -162,7 +162,7 @@ def test_runner_process_serves_aborts_survives_memsvc_restart(tmp_path_factory: 
 
 def test_bad_flag_exits_2(tmp_path: Any) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "kvserve.runner.cli", "runner", "--dtype", "float8", "--metrics-port", "0"],
+        [sys.executable, "-m", "kvserve.cli", "runner", "--dtype", "float8", "--metrics-port", "0"],
         capture_output=True, text=True, timeout=60, env=dict(os.environ, KVSERVE_RUNTIME_DIR=str(tmp_path)),
     )
     assert proc.returncode == 2 and "dtype" in proc.stderr

@@ -1,7 +1,7 @@
 """The frontend's side of the runner link: one ZMQ ROUTER socket, one queue per request.
 
 `Dispatcher` binds the ROUTER the runners connect to, decodes their `Hello`,
-`RunnerStatus` and `TokenBatch` messages (kvserve.runner.messages), keeps the `Router`
+`RunnerStatus` and `TokenBatch` messages (kvserve.messages.frontend_runner), keeps the `Router`
 up to date, delivers each `TokenOut` to its request's asyncio queue, and sends
 `GenerateReq` / `AbortReq` down. When a runner dies, its requests that have streamed
 nothing yet are retried on another live runner; the others get a `Failure`.
@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
-from kvserve.runner.messages import (
+from kvserve.frontend.router import Router
+from kvserve.messages.frontend_runner import (
     DOWN,
     UP,
     AbortReq,
@@ -32,7 +33,6 @@ from kvserve.runner.messages import (
     TokenBatch,
     TokenOut,
 )
-from kvserve.runner.router import Router
 from kvserve.wire import WireError
 
 log = logging.getLogger("kvserve.frontend")

@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvserve.runner import ggufload
-from kvserve.runner.modelconfig import ModelLoadError
-from kvserve.runner.weights import load_config, load_model, load_tokenizer, load_weights
+from kvserve.model import gguf as ggufload
+from kvserve.model.config import ModelLoadError
+from kvserve.model.weights import load_config, load_model, load_tokenizer, load_weights
 
 from .tinymodel import BYTE_VOCAB, VOCAB_SIZE, write_tiny_model
 
@@ -265,7 +265,7 @@ def test_unpermute_inverts_llama_cpp_permute() -> None:
 
 
 def test_gguf_model_name_strips_quant_suffix() -> None:
-    from kvserve.runner.weights import model_name
+    from kvserve.model.weights import model_name
 
     assert model_name(Path("/x/SmolLM2-135M-Instruct.Q4_1.gguf")) == "SmolLM2-135M-Instruct"
     assert model_name(Path("/x/llama-3.2-1b.gguf")) == "llama-3.2-1b"

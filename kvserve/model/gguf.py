@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvserve.runner.modelconfig import ModelConfig, ModelLoadError, config_from_gguf
+from kvserve.model.config import ModelConfig, ModelLoadError, config_from_gguf
 
 _BLOCK_NAMES = {
     "attn_norm": "input_layernorm",

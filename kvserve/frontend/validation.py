@@ -10,9 +10,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvserve.runner.frontend_config import FrontendConfig
-from kvserve.runner.frontend_tokenizer import CHAT_ROLES, FrontendTokenizer
-from kvserve.runner.messages import SamplingParams
+from kvserve.config.frontend import FrontendConfig
+from kvserve.messages.frontend_runner import SamplingParams
+from kvserve.model.tokenizer import CHAT_ROLES, FrontendTokenizer
 from kvserve.v1 import generator_pb2 as pb
 
 MAX_LOGPROBS = 20

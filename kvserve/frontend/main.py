@@ -25,13 +25,14 @@ from grpc_reflection.v1alpha import reflection
 
 from kvserve import sdnotify
 from kvserve.config import ConfigError, add_dataclass_flags, config_from_args
+from kvserve.config.frontend import FrontendConfig
+from kvserve.frontend.dispatch import Dispatcher
+from kvserve.frontend.grpc_service import GeneratorService
+from kvserve.frontend.metrics import FrontendMetrics
+from kvserve.frontend.router import Router
+from kvserve.metrics import serve_metrics
+from kvserve.model.tokenizer import load_frontend_tokenizer
 from kvserve.paths import runtime_dir
-from kvserve.runner.dispatch import Dispatcher
-from kvserve.runner.frontend_config import FrontendConfig
-from kvserve.runner.frontend_tokenizer import load_frontend_tokenizer
-from kvserve.runner.metrics import FrontendMetrics, serve_metrics
-from kvserve.runner.router import Router
-from kvserve.runner.service import GeneratorService
 from kvserve.v1 import generator_pb2 as pb
 from kvserve.v1 import generator_pb2_grpc as pb_grpc
 

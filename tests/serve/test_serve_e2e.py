@@ -22,7 +22,7 @@ from kvserve.v1 import generator_pb2 as pb
 from kvserve.v1 import generator_pb2_grpc as pb_grpc
 from tests.faults.harness import Service, children_of, start_serve, stop_serve
 
-_MISSING = [m for m in ("kvserve.runner.worker", "kvserve.memsvc.server") if importlib.util.find_spec(m) is None]
+_MISSING = [m for m in ("kvserve.runner.main", "kvserve.memsvc.server") if importlib.util.find_spec(m) is None]
 pytestmark = [
     pytest.mark.skipif(bool(_MISSING), reason=f"needs {', '.join(_MISSING)} (not landed yet)"),
     pytest.mark.timeout(900),

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvserve.config import ConfigError
-from kvserve.runner.frontend_config import FrontendConfig, ServeConfig
-from kvserve.runner.serve import Supervisor
+from kvserve.config.frontend import FrontendConfig, ServeConfig
+from kvserve.serve.main import Supervisor
 
 
 def test_metrics_ports_follow_the_base() -> None:
@@ -38,7 +38,7 @@ def test_children_name_their_role_and_share_addresses(tmp_path) -> None:
     sup = Supervisor(ServeConfig(runners=2, device="cpu", model="/m.gguf", port=6000), tmp_path)
     roles = [c.argv[3] for c in sup.children]
     assert roles == ["memsvc", "runner", "runner", "frontend"]
-    assert all(c.argv[1:3] == ["-m", "kvserve.runner.cli"] for c in sup.children)
+    assert all(c.argv[1:3] == ["-m", "kvserve.cli"] for c in sup.children)
     runner1 = sup.children[2].argv
     for flag, value in [("--runner-id", "runner-1"), ("--metrics-port", "9403"), ("--model", "/m.gguf"),
                         ("--memsvc-address", f"ipc://{tmp_path}/memsvc.sock"),

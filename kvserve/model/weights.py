@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from kvserve.modelfile import ModelFileError, resolve_model
+from kvserve.model import gguf as ggufload
+from kvserve.model.config import ModelConfig, ModelLoadError, config_from_hf
+from kvserve.model.files import ModelFileError, resolve_model
+from kvserve.model.llama import LlamaForCausalLM
 from kvserve.paths import cache_dir
-from kvserve.runner import ggufload
-from kvserve.runner.model import LlamaForCausalLM
-from kvserve.runner.modelconfig import ModelConfig, ModelLoadError, config_from_hf
 
 __all__ = [
     "LoadedModel",

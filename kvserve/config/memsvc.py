@@ -117,7 +117,7 @@ def resolve_shape(cfg: MemsvcConfig) -> PoolShape:
     if cfg.n_layers is not None:
         n_layers, n_kv_heads, head_dim = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
     else:
-        from kvserve.modelfile import ModelFileError, kv_shape, resolve_model
+        from kvserve.model.files import ModelFileError, kv_shape, resolve_model
 
         try:
             shape = kv_shape(Path(resolve_model(cfg.model)))

@@ -27,9 +27,8 @@ import zmq
 
 from kvserve import sdnotify
 from kvserve.config import ConfigError, add_dataclass_flags, config_from_args
-from kvserve.paths import runtime_dir
-from kvserve.runner.config import HELP, RunnerConfig, resolve_backend, resolve_device, resolve_dtype
-from kvserve.runner.messages import (
+from kvserve.config.runner import HELP, RunnerConfig, resolve_backend, resolve_device, resolve_dtype
+from kvserve.messages.frontend_runner import (
     DOWN,
     STATUS_INTERVAL_S,
     UP,
@@ -41,6 +40,7 @@ from kvserve.runner.messages import (
     TokenBatch,
     TokenOut,
 )
+from kvserve.paths import runtime_dir
 from kvserve.wire import WireError
 
 log = logging.getLogger("kvserve.runner")
@@ -85,9 +85,10 @@ class Worker:
         import torch
 
         from kvserve.kernels import DecodeWorkspace, get_backend
-        from kvserve.runner.metrics import RunnerMetrics, serve_metrics
+        from kvserve.metrics import serve_metrics
+        from kvserve.model.weights import load_model
+        from kvserve.runner.metrics import RunnerMetrics
         from kvserve.runner.scheduler import Scheduler, SchedulerConfig
-        from kvserve.runner.weights import load_model
 
         cfg = self.cfg
         if cfg.threads:
@@ -318,8 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, worker.stop)
     signal.signal(signal.SIGINT, worker.stop)
     from kvserve.memsvc.client import MemsvcError
-    from kvserve.modelfile import ModelFileError
-    from kvserve.runner.modelconfig import ModelLoadError
+    from kvserve.model.config import ModelLoadError
+    from kvserve.model.files import ModelFileError
 
     try:
         try:

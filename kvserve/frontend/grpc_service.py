@@ -17,13 +17,13 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvserve.runner.detok import TextStream
-from kvserve.runner.dispatch import Dispatcher, Failure, NoRunner, UserAbort
-from kvserve.runner.frontend_config import FrontendConfig
-from kvserve.runner.frontend_tokenizer import FrontendTokenizer
-from kvserve.runner.messages import FinishReason, TokenOut
-from kvserve.runner.metrics import FrontendMetrics
-from kvserve.runner.validation import InvalidArgument, prepare, prompt_ids
+from kvserve.config.frontend import FrontendConfig
+from kvserve.frontend.detok import TextStream
+from kvserve.frontend.dispatch import Dispatcher, Failure, NoRunner, UserAbort
+from kvserve.frontend.metrics import FrontendMetrics
+from kvserve.frontend.validation import InvalidArgument, prepare, prompt_ids
+from kvserve.messages.frontend_runner import FinishReason, TokenOut
+from kvserve.model.tokenizer import FrontendTokenizer
 from kvserve.v1 import generator_pb2 as pb
 from kvserve.v1 import generator_pb2_grpc as pb_grpc
 

@@ -1,6 +1,6 @@
 """`kvserve serve`: run memsvc, N runners and the gRPC frontend as supervised children.
 
-Each child is ``python -m kvserve.runner.cli <role> ...`` (so its command line names its
+Each child is ``python -m kvserve.cli <role> ...`` (so its command line names its
 role), shares one runtime dir, and gets its own sd_notify socket from this supervisor so
 that READY=1 tells us it is up (runners count as up once the frontend lists them live).
 A child that dies is restarted (runners and memsvc re-attach by themselves); one that
@@ -29,9 +29,9 @@ from pathlib import Path
 
 from kvserve import sdnotify
 from kvserve.config import ConfigError, add_dataclass_flags, config_from_args
+from kvserve.config.frontend import ServeConfig
+from kvserve.config.runner import resolve_dtype
 from kvserve.paths import runtime_dir
-from kvserve.runner.config import resolve_dtype
-from kvserve.runner.frontend_config import ServeConfig
 
 log = logging.getLogger("kvserve.serve")
 
@@ -130,7 +130,7 @@ class Supervisor:
         ]))
 
     def _child(self, name: str, role: str, args: list[str]) -> Child:
-        argv = [sys.executable, "-m", "kvserve.runner.cli", role, *args]
+        argv = [sys.executable, "-m", "kvserve.cli", role, *args]
         return Child(name=name, role=role, argv=argv, notify_path=self.runtime / f"notify-{name}.sock")
 
     def by_role(self, role: str) -> list[Child]:

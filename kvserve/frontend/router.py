@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvserve.messages.frontend_runner import RUNNER_TIMEOUT_S, Hello, RunnerStatus
 from kvserve.procs import pid_alive
-from kvserve.runner.messages import RUNNER_TIMEOUT_S, Hello, RunnerStatus
 
 
 @dataclass(slots=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvserve.runner.model import LlamaForCausalLM
+from kvserve.model.llama import LlamaForCausalLM
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvserve.runner.bench import (
+from kvserve.tools.bench import (
     Record,
     _parse_range,
     build_parser,
@@ -75,7 +75,7 @@ def test_summary_figures(tmp_path) -> None:
 
 
 def test_bad_flags_exit_2(capsys) -> None:
-    from kvserve.runner.bench import main
+    from kvserve.tools.bench import main
 
     with pytest.raises(SystemExit) as info:
         main(["--prompt-len", "0"])

@@ -9,13 +9,13 @@ import importlib
 import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("kvserve.runner.serve", "run memsvc, runners and the gRPC frontend together"),
+    "serve": ("kvserve.serve.main", "run memsvc, runners and the gRPC frontend together"),
     "memsvc": ("kvserve.memsvc.server", "run the memory service (KV pool owner)"),
-    "runner": ("kvserve.runner.worker", "run one runner worker (model + scheduler)"),
-    "frontend": ("kvserve.runner.server", "run the gRPC frontend"),
-    "generate": ("kvserve.runner.client", "stream a completion from a running kvserve"),
-    "fetch-model": ("kvserve.runner.fetch", "download the embedded default model into the cache"),
-    "bench": ("kvserve.runner.bench", "load generator against a running kvserve"),
+    "runner": ("kvserve.runner.main", "run one runner worker (model + scheduler)"),
+    "frontend": ("kvserve.frontend.main", "run the gRPC frontend"),
+    "generate": ("kvserve.tools.generate", "stream a completion from a running kvserve"),
+    "fetch-model": ("kvserve.tools.fetch_model", "download the embedded default model into the cache"),
+    "bench": ("kvserve.tools.bench", "load generator against a running kvserve"),
 }
 
 

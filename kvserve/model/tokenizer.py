@@ -1,7 +1,7 @@
 """The tokenizer as the frontend uses it: encode text, render chats, decode ids.
 
 `load_frontend_tokenizer(spec, model)` wraps the model's tokenizer
-(`kvserve.runner.weights.load_tokenizer`) or, for ``spec == "bytes"``, a byte-level
+(`kvserve.model.weights.load_tokenizer`) or, for ``spec == "bytes"``, a byte-level
 tokenizer that needs no model (ids 0..255 are bytes, 256 is EOS) so frontend logic can be
 tested in seconds. Knows nothing about gRPC or runners.
 """
@@ -89,7 +89,7 @@ def load_frontend_tokenizer(spec: str, model: str) -> FrontendTokenizer:
         return ByteTokenizer()
     if spec:
         raise ValueError(f"--tokenizer: unknown tokenizer {spec!r} (use '' for the model's, or 'bytes')")
-    from kvserve.runner.weights import load_tokenizer
+    from kvserve.model.weights import load_tokenizer
 
     bundle = load_tokenizer(model or None)
     return ModelTokenizer(

@@ -16,11 +16,10 @@ import argparse
 import dataclasses
 import os
 import re
+import tomllib
 import typing
 from pathlib import Path
 from typing import Any, TypeVar
-
-import tomllib
 
 C = TypeVar("C")
 

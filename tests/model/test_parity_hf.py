@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kvserve.kernels import get_backend
-from kvserve.modelfile import resolve_model
-from kvserve.runner.weights import LoadedModel, load_model
+from kvserve.model.files import resolve_model
+from kvserve.model.weights import LoadedModel, load_model
 
 from .tinymodel import PagedKV, greedy_generate
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from kvserve.kernels import get_backend
-from kvserve.runner.model import LlamaForCausalLM, RMSNorm, apply_rotary
-from kvserve.runner.modelconfig import config_from_hf
-from kvserve.runner.weights import load_weights
+from kvserve.model.config import config_from_hf
+from kvserve.model.llama import LlamaForCausalLM, RMSNorm, apply_rotary
+from kvserve.model.weights import load_weights
 
 from .tinymodel import PagedKV, greedy_generate, tiny_config, write_tiny_model
 
@@ -156,7 +156,7 @@ def test_inv_freq_matches_transformers(rope) -> None:
 
 def test_static_loop_matches_paged_greedy(tmp_path, backend) -> None:
     """The benchmark baseline (dense contiguous cache) computes the same greedy tokens."""
-    from kvserve.runner.staticloop import static_generate
+    from kvserve.tools.staticloop import static_generate
 
     model = load_weights(write_tiny_model(tmp_path / "m", num_kv_heads=2))
     prompts = [PROMPTS[2][:9], PROMPTS[2][5:14], PROMPTS[2][20:29]]

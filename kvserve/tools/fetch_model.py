@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvserve.modelfile import ModelFileError, ensure_default_model
+from kvserve.model.files import ModelFileError, ensure_default_model
 
 
 def main(argv: list[str]) -> int:
