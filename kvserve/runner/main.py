@@ -33,7 +33,6 @@ from kvserve.messages.frontend_runner import (
     STATUS_INTERVAL_S,
     UP,
     AbortReq,
-    FinishReason,
     GenerateReq,
     Hello,
     RunnerStatus,
@@ -273,9 +272,10 @@ class Worker:
     def _shutdown_outputs(self) -> list[TokenOut]:
         if self.sched is None:
             return []
+        from kvserve.runner.scheduler import failed_output
+
         return self.sched.fail_running("runner shutting down") + [
-            TokenOut(rid=r.rid, token_ids=[], finish_reason=FinishReason.ERROR, error="runner shutting down")
-            for r in list(self.sched.table)
+            failed_output(r.rid, "runner shutting down") for r in list(self.sched.table)
         ]
 
     def stop(self, *_: Any) -> None:

@@ -1,12 +1,9 @@
 """Continuous batching over memsvc slots: the runner's scheduling step, without sockets.
 
-`Scheduler.step()` does, in order: apply aborts; plan the running requests (one token per
-decode, a chunk per prefill, under the step's token budget) and the admissions that fit;
-send ONE memsvc step message if anything needs memsvc (admits, grows in `grow_chunk`
-steps, commits of finished prompts, releases), handling exhaustion by preemption
-(release with the computed KV committed, requeue, recompute later) or, for admissions, by
-waiting; run one forward over the flat batch; sample; and return the new tokens of the
-whole batch as `TokenOut`s (one list per step, for one `TokenBatch`).
+`Scheduler.step()` does, in order: apply aborts; let the `KVPlanner` (kvplan.py) plan the
+step and, when anything needs memsvc, make its ONE step message; run one forward over the
+flat batch; sample; and return the new tokens of the whole batch as `TokenOut`s (one list
+per step, for one `TokenBatch`).
 
 The scheduler is built from a model, a memclient-like object (``step(admit=, grow=,
 commit=, release=)``, ``req_to_token``, ``k_buffer``, ``v_buffer``, ``kv_usage()``), the
@@ -25,8 +22,9 @@ from typing import Any
 import torch
 
 from kvserve.messages.frontend_runner import FinishReason, GenerateReq, TokenOut
-from kvserve.messages.runner_memsvc import REASON_EXHAUSTED, Admit, Commit, Grow, Layout, Release
+from kvserve.messages.runner_memsvc import Layout
 from kvserve.runner.batching import ForwardBatch
+from kvserve.runner.kvplan import KVPlanner, Work
 from kvserve.runner.requests import Request, RequestTable, State
 from kvserve.runner.sampling import (
     PenaltyState,
@@ -36,9 +34,10 @@ from kvserve.runner.sampling import (
     needs_penalties,
 )
 
-ADMIT_RETRY_S = 0.05
-"""After memsvc refuses an admission as exhausted, wait this long before asking again
-(unless this runner frees something first)."""
+
+def failed_output(rid: str, error: str) -> TokenOut:
+    """The final output of a request that fails before it produced anything."""
+    return TokenOut(rid=rid, token_ids=[], finish_reason=FinishReason.ERROR, error=error)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,19 +80,17 @@ class Scheduler:
         self.table = RequestTable()
         self._outbox: list[TokenOut] = []
         self._aborts: list[str] = []
-        self._commits: dict[int, Commit] = {}
-        self._releases: list[Release] = []
-        self._next_mem_rid = 1
-        self._admit_seq = 0
         self.ran_forward = False
-        self._admit_retry_at = 0.0
-        self.num_preemptions = 0
+        self.kv = KVPlanner(layout, max_running=self.config.max_running,
+                            max_batch_tokens=self.config.max_batch_tokens,
+                            chunk_size=self.config.chunk_size, metrics=metrics)
         self.rebind(mem, layout)
 
     # ---- requests in -------------------------------------------------------------------
     def rebind(self, mem: Any, layout: Layout) -> None:
         """Use a (re-)attached memclient; call after `fail_running` on a memsvc failure."""
         self.mem, self.layout = mem, layout
+        self.kv.layout = layout
         self.max_context_len = layout.max_context_len
 
     def add(self, msg: GenerateReq) -> None:
@@ -101,8 +98,7 @@ class Scheduler:
         p = msg.params
         error = self._validate(msg)
         if error:
-            self._outbox.append(TokenOut(rid=msg.rid, token_ids=[], finish_reason=FinishReason.ERROR,
-                                         prompt_tokens=len(msg.token_ids), error=error))
+            self._outbox.append(failed_output(msg.rid, error))
             return
         stop = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_ids))
         row = SampleRow(p)
@@ -148,7 +144,7 @@ class Scheduler:
 
     def has_work(self) -> bool:
         """True when `step()` has something to do."""
-        return bool(self.table.by_rid or self._outbox or self._aborts or self._releases or self._commits)
+        return bool(self.table.by_rid or self._outbox or self._aborts or self.kv.pending)
 
     # ---- the step ----------------------------------------------------------------------
     def step(self) -> list[TokenOut]:
@@ -157,49 +153,22 @@ class Scheduler:
         self.ran_forward = False
         self._apply_aborts(out)
         now = self.clock()
-        budget = self.config.max_batch_tokens
-        plan: list[tuple[Request, int]] = []
-        grows: list[Grow] = []
-        for req in self.table.running:
-            n = req.next_extend(self.config.chunk_size, budget)
-            if n == 0:
-                continue
-            need = req.computed + n
-            if need > req.capacity:
-                grows.append(Grow(req.mem_rid, self._grow_target(req, need)))
-            plan.append((req, n))
-            budget -= n
-        admitting: list[tuple[Request, int]] = []
-        room = self.config.max_running - self.num_running
-        if now < self._admit_retry_at and not self._releases:
-            room = 0  # the pool refused an admission just now and we freed nothing since
-        while self.table.waiting and budget > 0 and room > 0:
-            req = self.table.waiting.popleft()
-            n = req.next_extend(self.config.chunk_size, budget)
-            req.mem_rid, self._next_mem_rid = self._next_mem_rid, self._next_mem_rid + 1
-            admitting.append((req, n))
-            budget -= n
-            room -= 1
-        if admitting or grows or self._commits or self._releases:
-            self._top_up(plan, grows)
-            plan = self._memsvc_step(plan, grows, admitting, now)
-        if plan:
-            out.extend(self._forward(plan))
+        plan = self.kv.plan(self.table, now)
+        work = plan.work
+        if self.kv.needs_memsvc(plan):
+            done = self.kv.exchange(plan, self.mem, self.table, now)
+            work = done.work
+            for req, error in done.failed:
+                self.table.by_rid.pop(req.rid, None)  # already off the waiting queue
+                req.state = State.FINISHED
+                out.append(self._final(req, FinishReason.ERROR, error=error))
+        if work:
+            out.extend(self._forward(work))
         return out
 
-    def _grow_target(self, req: Request, need: int) -> int:
-        target = max(need, req.capacity + self.layout.grow_chunk)
-        return max(need, min(target, req.max_tokens))
-
-    def _top_up(self, plan: list[tuple[Request, int]], grows: list[Grow]) -> None:
-        """A message goes to memsvc anyway: also grow the rows that would need it soon, so
-        that the following decode steps need no message."""
-        growing = {g.rid for g in grows}
-        soon = self.layout.grow_chunk // 2
-        for req, n in plan:
-            need = req.computed + n
-            if req.mem_rid not in growing and req.capacity < req.max_tokens and req.capacity - need < soon:
-                grows.append(Grow(req.mem_rid, self._grow_target(req, need)))
+    @property
+    def num_preemptions(self) -> int:
+        return self.kv.num_preemptions
 
     def _apply_aborts(self, out: list[TokenOut]) -> None:
         for rid in self._aborts:
@@ -207,89 +176,12 @@ class Scheduler:
             if req is None:
                 continue
             if req.state is State.RUNNING:
-                self._release(req, keep_kv=True)
+                self.kv.release(req, keep_kv=True)
             out.append(self._final(req, FinishReason.ABORT))
             self.table.finish(req)
         self._aborts.clear()
 
-    def _release(self, req: Request, *, keep_kv: bool) -> None:
-        """Queue the release of req's row (committing its computed KV when `keep_kv`)."""
-        self._commits.pop(req.mem_rid, None)
-        tokens = req.tokens[: req.computed] if keep_kv and req.computed > 0 else None
-        self._releases.append(Release(req.mem_rid, tokens))
-        req.unbind()
-
-    def _memsvc_step(
-        self, plan: list[tuple[Request, int]], grows: list[Grow],
-        admitting: list[tuple[Request, int]], now: float,
-    ) -> list[tuple[Request, int]]:
-        admits = [Admit(r.mem_rid, list(r.tokens), r.params.max_new_tokens - r.num_output)
-                  for r, _ in admitting]
-        commits, releases = list(self._commits.values()), self._releases
-        t0 = time.perf_counter()
-        try:
-            reply = self.mem.step(admit=admits, grow=grows, commit=commits, release=releases)
-        except BaseException:
-            self.table.requeue_front([r for r, _ in admitting])
-            for r, _ in admitting:
-                r.mem_rid = -1
-            raise
-        self._commits, self._releases = {}, []
-        if self.metrics is not None:
-            self.metrics.memsvc_calls.inc()
-            self.metrics.step_seconds.labels(phase="memsvc").observe(time.perf_counter() - t0)
-        results = {a.rid: a for a in reply.admitted}
-        blocked: list[Request] = []
-        for req, n in admitting:
-            res = results.get(req.mem_rid)
-            if res is None or not res.ok:
-                if res is None or res.reason != REASON_EXHAUSTED:
-                    why = res.reason if res is not None else "; ".join(reply.errors) or "no admit result"
-                    self._outbox.append(self._final(req, FinishReason.ERROR, error=f"memsvc: {why}"))
-                    self.table.by_rid.pop(req.rid, None)
-                    req.state = State.FINISHED
-                    continue
-                req.mem_rid = -1
-                blocked.append(req)
-                continue
-            req.row, req.capacity, req.computed = res.row, res.capacity, res.cached_len
-            req.commit_at, req.committed = len(req.tokens), False
-            if req.cached_tokens < 0:
-                req.cached_tokens = min(res.cached_len, req.prompt_len)
-                req.queue_time = max(0.0, now - req.arrival)
-            req.admitted_seq, self._admit_seq = self._admit_seq, self._admit_seq + 1
-            self.table.start(req)
-            plan.append((req, min(n, len(req.tokens) - req.computed)))
-        self.table.requeue_front(blocked)
-        self._admit_retry_at = now + ADMIT_RETRY_S if blocked else 0.0
-        failed = [g.rid for g in reply.grown if not g.ok]
-        grown = {g.rid: g.capacity for g in reply.grown if g.ok}
-        for req, _ in plan:
-            if req.mem_rid in grown:
-                req.capacity = max(req.capacity, grown[req.mem_rid])
-        if failed:
-            plan = self._preempt(plan, set(failed))
-        return plan
-
-    def _preempt(self, plan: list[tuple[Request, int]], failed: set[int]) -> list[tuple[Request, int]]:
-        """Grows in `failed` were refused: preempt the latest-admitted requests, one per
-        refusal, and drop from this step every request whose row is too short."""
-        victims: list[Request] = []
-        for _ in failed:
-            cands = [r for r in self.table.running if r not in victims]
-            if not cands:
-                break
-            victims.append(max(cands, key=lambda r: r.admitted_seq))
-        for req in victims:
-            self.table.stop_running(req)
-            self._release(req, keep_kv=True)
-            self.num_preemptions += 1
-            if self.metrics is not None:
-                self.metrics.preemptions.inc()
-        self.table.requeue_front(sorted(victims, key=lambda r: r.admitted_seq))
-        return [(r, n) for r, n in plan if r.state is State.RUNNING and r.computed + n <= r.capacity]
-
-    def _forward(self, plan: list[tuple[Request, int]]) -> list[TokenOut]:
+    def _forward(self, plan: Work) -> list[TokenOut]:
         t0 = time.perf_counter()
         model = self.model
         cfg = model.config
@@ -308,7 +200,7 @@ class Scheduler:
             req.computed += n
             if not req.committed and req.computed >= req.commit_at:
                 req.committed = True
-                self._commits[req.mem_rid] = Commit(req.mem_rid, req.tokens[: req.computed])
+                self.kv.commit(req)
         out: list[TokenOut] = []
         if batch.sampling:
             sampled = self.sampler.sample(logits, [r.sample_row for r in batch.sampling])
@@ -337,7 +229,7 @@ class Scheduler:
         )
         req.first_sent = True
         if reason:
-            self._release(req, keep_kv=True)
+            self.kv.release(req, keep_kv=True)
             self.table.finish(req)
         return out
 
@@ -359,7 +251,7 @@ class Scheduler:
                 req.unbind()
                 out.append(self._final(req, FinishReason.ERROR, error=error))
                 self.table.finish(req)
-        self._commits, self._releases = {}, []
+        self.kv.forget()
         return out
 
     def drain_offline(self) -> list[TokenOut]:
