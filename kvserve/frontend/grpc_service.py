@@ -19,7 +19,7 @@ import grpc
 
 from kvserve.config.frontend import FrontendConfig
 from kvserve.frontend.detok import TextStream
-from kvserve.frontend.dispatch import Dispatcher, Failure, NoRunner, UserAbort
+from kvserve.frontend.dispatch import Dispatcher, Failure, NoRunner, Pending, UserAbort
 from kvserve.frontend.metrics import FrontendMetrics
 from kvserve.frontend.validation import InvalidArgument, prepare, prompt_ids
 from kvserve.messages.frontend_runner import FinishReason, TokenOut
@@ -35,6 +35,20 @@ class _Usage:
     prompt: int
     cached: int = 0
     completion: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class _Call:
+    """One open Generate call."""
+
+    rid: str
+    pending: Pending
+    stream: TextStream
+    usage: _Usage
+    arrival: float
+    last: float  # when the previous output arrived
+    first: bool = True  # no token streamed yet (the call counts as waiting)
+    done: bool = False  # the runner is done with it (no abort needed)
 
 
 def _logprobs(out: TokenOut) -> list[pb.TokenLogprob]:
@@ -70,6 +84,20 @@ class GeneratorService(pb_grpc.GeneratorServicer):
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        call = await self._start(request, context)
+        try:
+            async for response in self._responses(call, context):
+                yield response
+        finally:
+            if not call.done:
+                self.dispatcher.abort(call.rid)
+            self.active -= 1
+            if call.first:
+                self.waiting -= 1
+            self._gauges()
+
+    async def _start(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> _Call:
+        """Validate the call, check the limits and hand it to a runner (or fail the call)."""
         arrival = time.monotonic()
         if self.draining:
             await self._fail(context, grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
@@ -93,62 +121,64 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         except NoRunner:
             await self._fail(context, grpc.StatusCode.UNAVAILABLE, "no live runner; try again later")
         self.metrics.prompt_tokens.inc(len(prep.prompt_ids))
-        stream = TextStream.create(self.tok.decode, prep.stops, prep.prompt_ids[-DETOK_CONTEXT:])
-        usage = _Usage(prompt=len(prep.prompt_ids))
         self.active += 1
         self.waiting += 1
         self._gauges()
-        first = True
-        done = False
-        last = arrival
-        try:
-            while True:
-                event = await pending.queue.get()
-                if isinstance(event, Failure):
-                    await self._fail(context, grpc.StatusCode.UNAVAILABLE, event.message)
-                if isinstance(event, UserAbort):
-                    self.dispatcher.abort(rid)
-                    done = True
-                    yield self._final(rid, [], stream.finish(), FinishReason.ABORT, usage, None)
-                    return
-                out = event
-                if out.finish_reason == FinishReason.ERROR:
-                    await self._fail(context, grpc.StatusCode.UNAVAILABLE,
-                                     f"the runner failed the request: {out.error or 'unknown error'}")
-                now = time.monotonic()
-                if first and out.token_ids:
-                    first = False
-                    self.waiting -= 1
-                    self._gauges()
-                    self.metrics.ttft.observe(now - arrival)
-                    if out.queue_time > 0:
-                        self.metrics.queue_time.observe(out.queue_time)
-                elif out.token_ids:
-                    self.metrics.itl.observe((now - last) / len(out.token_ids))
-                last = now
-                usage.cached = max(usage.cached, out.cached_tokens)
-                usage.completion += len(out.token_ids)
-                self.metrics.generation_tokens.inc(len(out.token_ids))
-                text, stopped = stream.push(out.token_ids)
-                if stopped:
-                    self.dispatcher.abort(rid)
-                    done = True
-                    yield self._final(rid, out, text, FinishReason.STOP, usage, arrival)
-                    return
-                if out.finish_reason:
-                    self.dispatcher.finish(rid)
-                    done = True
-                    yield self._final(rid, out, text + stream.finish(), out.finish_reason, usage, arrival)
-                    return
-                yield pb.GenerateResponse(request_id=rid, token_ids=out.token_ids, text=text,
-                                          logprobs=_logprobs(out))
-        finally:
-            if not done:
+        return _Call(
+            rid=rid, pending=pending, arrival=arrival, last=arrival,
+            stream=TextStream.create(self.tok.decode, prep.stops, prep.prompt_ids[-DETOK_CONTEXT:]),
+            usage=_Usage(prompt=len(prep.prompt_ids)),
+        )
+
+    async def _responses(self, call: _Call,
+                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        """One response per runner output until the request finishes, stops or is aborted."""
+        rid, stream = call.rid, call.stream
+        while True:
+            event = await call.pending.queue.get()
+            if isinstance(event, Failure):
+                await self._fail(context, grpc.StatusCode.UNAVAILABLE, event.message)
+            if isinstance(event, UserAbort):
                 self.dispatcher.abort(rid)
-            self.active -= 1
-            if first:
-                self.waiting -= 1
+                call.done = True
+                yield self._final(rid, [], stream.finish(), FinishReason.ABORT, call.usage, None)
+                return
+            out = event
+            if out.finish_reason == FinishReason.ERROR:
+                await self._fail(context, grpc.StatusCode.UNAVAILABLE,
+                                 f"the runner failed the request: {out.error or 'unknown error'}")
+            self._observe(call, out)
+            text, stopped = stream.push(out.token_ids)
+            if stopped:
+                self.dispatcher.abort(rid)
+                call.done = True
+                yield self._final(rid, out, text, FinishReason.STOP, call.usage, call.arrival)
+                return
+            if out.finish_reason:
+                self.dispatcher.finish(rid)
+                call.done = True
+                yield self._final(rid, out, text + stream.finish(), out.finish_reason, call.usage,
+                                  call.arrival)
+                return
+            yield pb.GenerateResponse(request_id=rid, token_ids=out.token_ids, text=text,
+                                      logprobs=_logprobs(out))
+
+    def _observe(self, call: _Call, out: TokenOut) -> None:
+        """Latency and token metrics of one runner output; the call's usage."""
+        now = time.monotonic()
+        if call.first and out.token_ids:
+            call.first = False
+            self.waiting -= 1
             self._gauges()
+            self.metrics.ttft.observe(now - call.arrival)
+            if out.queue_time > 0:
+                self.metrics.queue_time.observe(out.queue_time)
+        elif out.token_ids:
+            self.metrics.itl.observe((now - call.last) / len(out.token_ids))
+        call.last = now
+        call.usage.cached = max(call.usage.cached, out.cached_tokens)
+        call.usage.completion += len(out.token_ids)
+        self.metrics.generation_tokens.inc(len(out.token_ids))
 
     def _final(self, rid: str, out: TokenOut | list, text: str, reason: str, usage: _Usage,
                arrival: float | None) -> pb.GenerateResponse:
