@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvserve.model.files import resolve_model  # noqa: E402
-from kvserve.tools.bench import Record, _one, _percentile  # noqa: E402
+from kvserve.tools.bench import Record, percentile, run_one  # noqa: E402
 
 PEER_VENV = ROOT / ".peers" / "llamacpp"
 LLAMA_CMAKE = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON "
@@ -55,8 +55,8 @@ def figures(result: dict) -> dict:
     recs = result["records"]
     tokens = sum(r["output_tokens"] for r in recs)
     ttft = [r["first_token"] - r["start"] for r in recs if r.get("first_token") is not None]
-    return {"tok_s": tokens / result["wall_s"], "ttft_p50": _percentile(ttft, 0.5),
-            "ttft_p99": _percentile(ttft, 0.99), "peak_mib": result.get("peak_rss_mib", float("nan")),
+    return {"tok_s": tokens / result["wall_s"], "ttft_p50": percentile(ttft, 0.5),
+            "ttft_p99": percentile(ttft, 0.99), "peak_mib": result.get("peak_rss_mib", float("nan")),
             "requests": len(recs), "wall_s": result["wall_s"]}
 
 
@@ -138,7 +138,7 @@ class KvserveServer:
                                              token_ids=pb.TokenIds(ids=r["token_ids"]),
                                              sampling=pb.SamplingParams(max_new_tokens=r["max_new_tokens"],
                                                                         ignore_eos=True))
-                    await _one(stub, req, records[i], t0, 1800.0, ())
+                    await run_one(stub, req, records[i], t0, 1800.0, ())
 
             await asyncio.gather(*(client() for _ in range(concurrency)))
             wall = time.perf_counter() - t0

@@ -6,7 +6,7 @@
 Without --address it starts its own `kvserve serve` (tmp runtime dir, free ports) and
 stops it at the end (checking that nothing is left behind). Clients send random prompts
 with random sampling parameters, cancel, abort and use short deadlines (the driver of
-tests/faults/loadgen.py). The report: concurrency, requests/s, minutes, statuses,
+kvserve/tools/loadgen.py). The report: concurrency, requests/s, minutes, statuses,
 unexpected outcomes, memsvc request-held slots after the run (leaked, must be 0),
 invariant violations, and RSS (KiB) of every process at the start, peak and end.
 Exit status 1 when anything unexpected happened or slots leaked.
@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpc  # noqa: E402
 
 from kvserve.memsvc.client import MemClient  # noqa: E402
+from kvserve.tools.loadgen import run_load  # noqa: E402
+from kvserve.tools.servectl import rss_kib, start_serve, stop_serve  # noqa: E402
 from kvserve.v1 import generator_pb2_grpc as pb_grpc  # noqa: E402
-from tests.faults.harness import rss_kib, start_serve, stop_serve  # noqa: E402
-from tests.faults.loadgen import run_load  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -123,8 +123,9 @@ def _request(w: Workload, index: int, args: argparse.Namespace) -> pb.GenerateRe
     return req
 
 
-async def _one(stub: pb_grpc.GeneratorStub, req: pb.GenerateRequest, rec: Record, t0: float,
-               timeout: float | None, metadata: tuple) -> None:
+async def run_one(stub: pb_grpc.GeneratorStub, req: pb.GenerateRequest, rec: Record, t0: float,
+                  timeout: float | None, metadata: tuple) -> None:
+    """Stream one Generate call into `rec` (times relative to `t0`, tokens, status)."""
     rec.start = time.perf_counter() - t0
     last = None
     try:
@@ -147,7 +148,8 @@ async def _one(stub: pb_grpc.GeneratorStub, req: pb.GenerateRequest, rec: Record
     rec.end = time.perf_counter() - t0
 
 
-def _percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile of `values` (linear interpolation; NaN when empty)."""
     if not values:
         return float("nan")
     s = sorted(values)
@@ -193,7 +195,7 @@ def summarize(records: list[Record], wall: float, prefix: tuple[float, float] | 
     }
     for name, vals in (("ttft", ttft), ("itl", gaps), ("e2e", e2e)):
         for q, tag in pct.items():
-            summary[f"{name}_{tag}_s"] = _percentile(vals, q)
+            summary[f"{name}_{tag}_s"] = percentile(vals, q)
     if prefix is not None:
         queried, hits = prefix
         summary["prefix_hit_rate_metrics"] = hits / queried if queried else 0.0
@@ -282,7 +284,7 @@ async def run(args: argparse.Namespace) -> tuple[list[Record], float, tuple[floa
                 if time.perf_counter() >= deadline:
                     break
                 tasks.append(asyncio.create_task(
-                    _one(stub, _request(work[i], i, args), new_record(i), t0, timeout, metadata)))
+                    run_one(stub, _request(work[i], i, args), new_record(i), t0, timeout, metadata)))
                 await asyncio.sleep(rng.expovariate(args.rate))
             await asyncio.gather(*tasks)
         else:
@@ -292,7 +294,7 @@ async def run(args: argparse.Namespace) -> tuple[list[Record], float, tuple[floa
                 for i in counter:
                     if time.perf_counter() >= deadline:
                         return
-                    await _one(stub, _request(work[i], i, args), new_record(i), t0, timeout, metadata)
+                    await run_one(stub, _request(work[i], i, args), new_record(i), t0, timeout, metadata)
 
             await asyncio.gather(*(worker() for _ in range(args.concurrency)))
         wall = time.perf_counter() - t0

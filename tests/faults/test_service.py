@@ -21,11 +21,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvserve.messages.runner_memsvc import CODEC, ErrorReply, Stats
+from kvserve.tools.loadgen import OK_REASONS, run_load
 from kvserve.v1 import generator_pb2 as pb
 from kvserve.wire import WireError
 
 from .harness import Service, Stream, greedy, rss_kib, start_serve, stop_serve
-from .loadgen import OK_REASONS, run_load
 
 pytestmark = pytest.mark.timeout(240)
 KV_TOKENS = 240

@@ -1,4 +1,4 @@
-"""A load driver shared by the load test and `bench/soak.py`: N client threads sending random
+"""A load driver shared by the fault tests' load test and `bench/soak.py`: N client threads sending random
 prompts with random sampling parameters, cancelling, aborting and using short deadlines.
 
 `run_load(stub, clients, seconds, seed)` returns a `LoadResult` (status counts, requests,
