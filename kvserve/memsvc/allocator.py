@@ -77,7 +77,3 @@ class PageAllocator:
         pages = np.asarray(pages, dtype=np.int64)
         self._stack[: len(pages)] = pages
         self._top = len(pages)
-
-    def pages_of(self, slots: np.ndarray) -> np.ndarray:
-        """Page ids of page-aligned slot runs."""
-        return slots if self.page_size == 1 else slots[:: self.page_size] // self.page_size
