@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvserve.model.files import resolve_model  # noqa: E402
-from kvserve.tools.bench import Record, percentile, run_one  # noqa: E402
+from kvserve.tools.bench import run_one  # noqa: E402
+from kvserve.tools.bench_report import Record, percentile  # noqa: E402
 
 PEER_VENV = ROOT / ".peers" / "llamacpp"
 LLAMA_CMAKE = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON "

@@ -7,15 +7,8 @@ import json
 
 import pytest
 
-from kvserve.tools.bench import (
-    Record,
-    _parse_range,
-    build_parser,
-    format_table,
-    make_workloads,
-    plot,
-    summarize,
-)
+from kvserve.tools.bench import _parse_range, build_parser, make_workloads
+from kvserve.tools.bench_report import Record, format_table, plot, summarize
 
 
 def _args(*argv: str) -> argparse.Namespace:
