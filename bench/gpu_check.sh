@@ -4,7 +4,7 @@
 #      (tests/kernels/test_gpu.py), and CUDA IPC of memsvc's buffers between two processes
 #      (tests/memsvc/test_gpu.py);
 #   2. bench/gpu_kernels.py: decode bandwidth and extend TFLOP/s (about 3 minutes on an H100).
-# It needs only python3 with torch (CUDA build), triton, msgpack, pytest and pytest-timeout:
+# It needs only python3 with torch (CUDA build), triton, msgspec, pytest and pytest-timeout:
 # nothing is installed, so it also runs on a bare GPU box with the repo copied over.
 #   bash bench/gpu_check.sh            # logs also go to $OUT (default /tmp/kvserve-gpu)
 set -uo pipefail

@@ -26,7 +26,7 @@ import zmq
 from kvserve.memsvc.allocator import PageAllocator
 from kvserve.memsvc.client import Admit, Grow, MemClient
 from kvserve.memsvc.radix import RadixCache
-from kvserve.messages.runner_memsvc import CODEC, Step
+from kvserve.messages.runner_memsvc import REQUESTS, Step
 
 ECHO = """
 import sys, msgpack, zmq
@@ -59,7 +59,7 @@ def bench_step(iters: int) -> None:
         reply = client.step(admit=[Admit(i, list(range(i, i + 100)), 128) for i in range(64)])
         assert all(r.ok for r in reply.admitted)
         grows = [Grow(i, 200) for i in range(64)]
-        frame = CODEC.encode(Step(lease=client.lease or 0, grow=grows))
+        frame = REQUESTS.encode(Step(lease=client.lease or 0, grow=grows))
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.connect(echo_addr)
         step_t, echo_t = [], []

@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model_loop import make_prompts, run_hf  # noqa: E402
 
-from kvserve.config.runner import resolve_dtype  # noqa: E402
+from kvserve.config.devices import resolve_dtype  # noqa: E402
 from kvserve.kernels import get_backend  # noqa: E402
 from kvserve.memsvc.client import MemClient  # noqa: E402
 from kvserve.messages.frontend_runner import GenerateReq, SamplingParams  # noqa: E402

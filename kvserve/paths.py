@@ -1,10 +1,18 @@
-"""Where kvserve keeps sockets and cached model files on this host."""
+"""Where kvserve keeps sockets and cached model files on this host, and how a socket file is
+bound owner-only.
+
+Standard library only: the ZMQ socket `bind_private` takes is any object with `bind()`.
+"""
 
 from __future__ import annotations
 
 import os
 import stat
 from pathlib import Path
+from typing import Protocol
+
+MEMSVC_SOCKET = "memsvc.sock"
+FRONTEND_SOCKET = "frontend.sock"
 
 
 def runtime_dir(explicit: str | os.PathLike | None = None) -> Path:
@@ -29,6 +37,34 @@ def runtime_dir(explicit: str | os.PathLike | None = None) -> Path:
         raise PermissionError(f"runtime dir {path} is owned by uid {st.st_uid}, not {os.getuid()}")
     if st.st_mode & 0o077:
         os.chmod(path, 0o700)
+    return path
+
+
+def ipc_address(name: str, explicit_dir: str | os.PathLike | None = None) -> str:
+    """``ipc://<runtime dir>/<name>``, the default address of a kvserve socket
+    (`MEMSVC_SOCKET`, `FRONTEND_SOCKET`); the runtime dir as `runtime_dir` finds it."""
+    return f"ipc://{runtime_dir(explicit_dir) / name}"
+
+
+class Bindable(Protocol):
+    def bind(self, address: str) -> object: ...
+
+
+def bind_private(sock: Bindable, address: str) -> Path | None:
+    """Bind `sock` to `address`; an ipc:// socket file is created owner-only (0600, in a
+    0700 directory, never readable by others even for an instant). Returns the socket
+    file's path (None for tcp://)."""
+    if not address.startswith("ipc://"):
+        sock.bind(address)
+        return None
+    path = Path(address[len("ipc://"):])
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    old = os.umask(0o177)
+    try:
+        sock.bind(address)
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
     return path
 
 

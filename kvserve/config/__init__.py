@@ -1,13 +1,15 @@
-"""Config plumbing shared by every process: frozen dataclass + TOML + KVSERVE_* env + CLI.
+"""The config chain every process uses: frozen dataclass < TOML < KVSERVE_* env < flags.
 
 Each process owns one frozen config dataclass (memsvc: `MemsvcConfig`, runner:
-`RunnerConfig`, frontend: `FrontendConfig`, ...). This module fills one from, in rising
-order of precedence: the dataclass defaults, a TOML file (its ``[section]`` table),
-``KVSERVE_<FIELD>`` environment variables, and explicit CLI values. It also turns the
-dataclass into argparse flags so that CLI defaults come from the dataclass.
+`RunnerConfig`, frontend: `FrontendConfig`, serve: `ServeConfig`), each field declared
+with `option(default, help=...)` so that its help text sits beside it. This module fills
+one from, in rising order of precedence: the dataclass defaults, a TOML file (its
+``[section]`` table), ``KVSERVE_<FIELD>`` environment variables, and explicit CLI values;
+it turns the dataclass into argparse flags (`add_dataclass_flags`) and a config back into
+the flags that rebuild it (`to_flags`, how `kvserve serve` hands each child its config).
 
 A bad value raises `ConfigError` naming the source and the field; CLIs turn that into
-exit status 2.
+exit status 2. Standard library only: no process may pay for another's imports here.
 """
 
 from __future__ import annotations
@@ -17,13 +19,16 @@ import dataclasses
 import os
 import re
 import tomllib
+import types
 import typing
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 C = TypeVar("C")
 
 ENV_PREFIX = "KVSERVE_"
+CONFIG_ENV = ENV_PREFIX + "CONFIG"
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -38,6 +43,40 @@ class ConfigError(ValueError):
     """A config value that is missing, of the wrong type, or out of range."""
 
 
+def option(default: Any = dataclasses.MISSING, *, help: str,
+           factory: Callable[[], Any] | None = None) -> Any:
+    """A dataclass field with its help text beside it (`factory` for a default_factory)."""
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata={"help": help})
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def help_of(f: dataclasses.Field) -> str:
+    """The help text `option` stored on a field (its name in words when there is none)."""
+    return f.metadata.get("help", f.name.replace("_", " "))
+
+
+def default_of(f: dataclasses.Field) -> Any:
+    """A field's default value (None when it has none)."""
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
+def flag_name(name: str) -> str:
+    """``max_new_tokens`` -> ``--max-new-tokens``."""
+    return "--" + name.replace("_", "-")
+
+
+def setting_fields(cls: type) -> dict[str, tuple[dataclasses.Field, Any]]:
+    """{name: (field, type)} of the plain settings of `cls` (nested config dataclasses left out)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: (f, hints[f.name]) for f in dataclasses.fields(cls)
+            if not dataclasses.is_dataclass(hints[f.name])}
+
+
 def parse_size(text: str) -> int:
     """Parse a byte size such as ``2GiB``, ``512MB`` or ``1048576``."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
@@ -46,20 +85,21 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
 
 
-def _coerce(value: Any, tp: Any, where: str) -> Any:
+def coerce(value: Any, tp: Any, where: str) -> Any:
+    """`value` (from TOML, the environment or a flag) as type `tp`; ConfigError naming `where`."""
     origin = typing.get_origin(tp)
-    if origin in (typing.Union, __import__("types").UnionType):
+    if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None or (isinstance(value, str) and value.lower() in ("", "none")):
             return None
-        return _coerce(value, args[0], where)
+        return coerce(value, args[0], where)
     if origin is tuple or origin is list:
         (item,) = typing.get_args(tp)[:1] or (str,)
         if isinstance(value, str):
             value = [v for v in value.split(",") if v.strip()]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
-        out = [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+        out = [coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
         return tuple(out) if origin is tuple else out
     try:
         if tp is bool:
@@ -72,9 +112,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 return False
             raise ValueError
         if tp is int:
-            if isinstance(value, bool):
-                raise ValueError
-            if isinstance(value, float) and not value.is_integer():
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise ValueError
             return int(value)
         if tp is float:
@@ -90,49 +128,52 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     return value
 
 
-def load_config(
-    cls: type[C],
-    *,
-    section: str,
-    toml_path: str | os.PathLike | None = None,
-    env: typing.Mapping[str, str] | None = None,
-    overrides: typing.Mapping[str, Any] | None = None,
-) -> C:
-    """Build `cls` from defaults < TOML ``[section]`` < KVSERVE_* env < `overrides`.
+def read_toml(path: str | os.PathLike) -> dict[str, Any]:
+    """The parsed TOML file at `path`; ConfigError naming the file when it is missing or bad."""
+    path = Path(path)
+    try:
+        return tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path}: not found") from None
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path}: {exc}") from None
 
-    `overrides` holds only values the user gave explicitly (None means "not given").
-    The dataclass's ``__post_init__`` may raise ConfigError/ValueError for range checks.
-    """
-    env = os.environ if env is None else env
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+
+def table_values(data: Mapping[str, Any], path: str | os.PathLike, section: str,
+                 hints: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``[section]`` table of a parsed file, coerced to `hints` (name -> type); an unknown
+    key is a ConfigError naming the file, the table and the key."""
+    table = data.get(section, {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"config file {path}: [{section}] is not a table")
     values: dict[str, Any] = {}
-    if toml_path is None:
-        toml_path = env.get(ENV_PREFIX + "CONFIG") or None
-    if toml_path:
-        path = Path(toml_path)
-        try:
-            data = tomllib.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path}: not found") from None
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"config file {path}: {exc}") from None
-        table = data.get(section, {})
-        if not isinstance(table, dict):
-            raise ConfigError(f"config file {path}: [{section}] is not a table")
-        for key, val in table.items():
-            name = key.replace("-", "_")
-            if name not in names:
-                raise ConfigError(f"config file {path}: [{section}] unknown key {key!r}")
-            values[name] = _coerce(val, hints[name], f"{path} [{section}] {key}")
-    for name in names:
+    for key, val in table.items():
+        name = key.replace("-", "_")
+        if name not in hints:
+            raise ConfigError(f"config file {path}: [{section}] unknown key {key!r}")
+        values[name] = coerce(val, hints[name], f"config file {path}: [{section}] {key}")
+    return values
+
+
+def env_values(cls: type, env: Mapping[str, str]) -> dict[str, Any]:
+    """The settings of `cls` that ``KVSERVE_<FIELD>`` variables in `env` set."""
+    values: dict[str, Any] = {}
+    for name, (_, tp) in setting_fields(cls).items():
         var = ENV_PREFIX + name.upper()
         if var in env:
-            values[name] = _coerce(env[var], hints[name], f"environment {var}")
-    for name, val in (overrides or {}).items():
-        if val is None or name not in names:
-            continue
-        values[name] = _coerce(val, hints[name], f"--{name.replace('_', '-')}")
+            values[name] = coerce(env[var], tp, f"environment {var}")
+    return values
+
+
+def flag_values(cls: type, overrides: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The explicit values among `overrides` (None = not given) that name settings of `cls`."""
+    fields = setting_fields(cls)
+    return {name: coerce(val, fields[name][1], flag_name(name))
+            for name, val in (overrides or {}).items() if val is not None and name in fields}
+
+
+def build(cls: type[C], values: Mapping[str, Any]) -> C:
+    """`cls(**values)`, its range checks (TypeError/ValueError) turned into ConfigError."""
     try:
         return cls(**values)
     except ConfigError:
@@ -141,37 +182,55 @@ def load_config(
         raise ConfigError(str(exc)) from None
 
 
+def load_config(
+    cls: type[C],
+    *,
+    section: str,
+    toml_path: str | os.PathLike | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> C:
+    """Build `cls` from defaults < TOML ``[section]`` < KVSERVE_* env < `overrides`.
+
+    `overrides` holds only values the user gave explicitly (None means "not given"). The
+    file is `toml_path`, else $KVSERVE_CONFIG. The dataclass's ``__post_init__`` may raise
+    ConfigError/ValueError for range checks.
+    """
+    env = os.environ if env is None else env
+    toml_path = toml_path or env.get(CONFIG_ENV) or None
+    values: dict[str, Any] = {}
+    if toml_path:
+        hints = {name: tp for name, (_, tp) in setting_fields(cls).items()}
+        values |= table_values(read_toml(toml_path), toml_path, section, hints)
+    values |= env_values(cls, env)
+    values |= flag_values(cls, overrides)
+    return build(cls, values)
+
+
+def add_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, name: str, tp: Any, *,
+             help: str, default: Any) -> None:
+    """One ``--name`` flag (``--name/--no-name`` for a bool) whose argparse default is None,
+    so that "not given" stays distinguishable; the help shows `default` (a None default is
+    for the help text itself to explain)."""
+    text = help if default is None else f"{help} (default: {repr(default) if default == '' else default})"
+    if tp is bool:
+        parser.add_argument(flag_name(name), dest=name, default=None,
+                            action=argparse.BooleanOptionalAction, help=text)
+    else:
+        parser.add_argument(flag_name(name), dest=name, default=None, metavar=name.upper(), help=text)
+
+
 def add_dataclass_flags(
-    parser: argparse.ArgumentParser,
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
     cls: type,
     *,
-    help: typing.Mapping[str, str] | None = None,
-    skip: typing.Iterable[str] = (),
+    skip: Iterable[str] = (),
 ) -> None:
-    """Add one ``--field-name`` flag per dataclass field, default shown from the dataclass.
-
-    Flags default to None so that `load_config` can tell "not given" from a value; the
-    help text shows the dataclass default. Help strings come from `help` (field -> text).
-    """
-    hints = typing.get_type_hints(cls)
-    help = help or {}
+    """Add one ``--field-name`` flag per setting of `cls`, help and default from its field."""
     skip = set(skip)
-    for f in dataclasses.fields(cls):
-        if f.name in skip:
-            continue
-        default = f.default if f.default is not dataclasses.MISSING else (
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else None
-        )
-        text = help.get(f.name, f.name.replace("_", " "))
-        flag = "--" + f.name.replace("_", "-")
-        if hints[f.name] is bool:
-            parser.add_argument(
-                flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction,
-                help=f"{text} (default: {default})",
-            )
-        else:
-            parser.add_argument(flag, dest=f.name, default=None, metavar=f.name.upper(),
-                                help=f"{text} (default: {default})")
+    for name, (f, tp) in setting_fields(cls).items():
+        if name not in skip:
+            add_flag(parser, name, tp, help=help_of(f), default=default_of(f))
 
 
 def config_from_args(cls: type[C], args: argparse.Namespace, *, section: str,
@@ -180,3 +239,27 @@ def config_from_args(cls: type[C], args: argparse.Namespace, *, section: str,
     names = {f.name for f in dataclasses.fields(cls)}
     overrides = {k: v for k, v in vars(args).items() if k in names}
     return load_config(cls, section=section, toml_path=toml_path, overrides=overrides)
+
+
+def _flag_text(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, (list, tuple)):
+        return ",".join(_flag_text(v) for v in value)
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def to_flags(cfg: Any, *, always: Iterable[str] = ()) -> list[str]:
+    """The flags that rebuild `cfg` on top of its class defaults: ``--name=value`` for every
+    setting that differs from its default, and for those named in `always`."""
+    always = set(always)
+    out: list[str] = []
+    for name, (f, tp) in setting_fields(type(cfg)).items():
+        value = getattr(cfg, name)
+        if name not in always and value == default_of(f):
+            continue
+        if tp is bool:
+            out.append(flag_name(name) if value else "--no-" + flag_name(name)[2:])
+        else:
+            out.append(f"{flag_name(name)}={_flag_text(value)}")
+    return out

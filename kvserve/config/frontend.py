@@ -1,5 +1,5 @@
-"""Frozen configs of the gRPC frontend (`FrontendConfig`) and the `kvserve serve` supervisor
-(`ServeConfig`). CLI flags take their defaults from these dataclasses (see kvserve.config).
+"""`FrontendConfig`: the frozen configuration of the gRPC frontend (`kvserve frontend`, the
+[frontend] table, KVSERVE_* variables).
 
 Range checks live in ``__post_init__`` and raise ConfigError naming the field. This module
 knows nothing about gRPC, ZMQ or processes.
@@ -7,73 +7,48 @@ knows nothing about gRPC, ZMQ or processes.
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass
 
-from kvserve.config import ConfigError
-
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-DEVICES = ("auto", "cpu", "cuda")
-
-
-def _check_port(name: str, value: int, *, allow_zero: bool) -> None:
-    low = 0 if allow_zero else 1
-    if not low <= value <= 65535:
-        raise ConfigError(f"--{name.replace('_', '-')}: {value} is not a port in {low}..65535")
-
-
-def _check_positive(cfg: object, *names: str) -> None:
-    for name in names:
-        if getattr(cfg, name) <= 0:
-            raise ConfigError(f"--{name.replace('_', '-')}: must be > 0, got {getattr(cfg, name)}")
-
-
-def _check_runner_address(address: str, allow_remote: bool) -> None:
-    """The runner link has no authentication: tcp only on loopback unless allowed."""
-    if not address or address.startswith("ipc://"):
-        return
-    if not address.startswith("tcp://"):
-        raise ConfigError(f"--frontend-address: {address!r} must start with ipc:// or tcp://")
-    host = address[len("tcp://"):].rpartition(":")[0].strip("[]")
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback and not allow_remote:
-        raise ConfigError(f"--frontend-address: {host!r} is not a loopback address (use --allow-remote)")
+from kvserve.config import ConfigError, option
+from kvserve.config.checks import check_address, check_port, check_positive
 
 
 @dataclass(frozen=True, slots=True)
 class FrontendConfig:
     """Everything `kvserve frontend` needs; defaults match docs/interfaces.md."""
 
-    model: str = ""
-    tokenizer: str = ""  # "" = the model's tokenizer; "bytes" = byte-level (tests, no model)
-    host: str = "127.0.0.1"
-    port: int = 50051
-    frontend_address: str = ""  # "" = ipc://<runtime_dir>/frontend.sock
-    runtime_dir: str = ""
-    metrics_port: int = 9400
-    max_message_bytes: int = 4 * 1024 * 1024
-    max_prompt_tokens: int = 0  # 0 = the model's context length
-    max_new_tokens_cap: int = 4096
-    default_max_new_tokens: int = 128
-    max_concurrent_streams: int = 256
-    max_waiting: int = 256
-    max_stop_strings: int = 16
-    max_stop_len: int = 256
-    drain_timeout_s: float = 10.0
-    runner_timeout_s: float = 1.5
-    tls_cert: str = ""
-    tls_key: str = ""
-    auth_token_file: str = ""
-    allow_remote: bool = False  # allow a tcp:// runner address that is not loopback
+    model: str = option("", help="model: a HF directory, a .gguf file, or '' for the embedded default")
+    tokenizer: str = option("", help="'' = the model's tokenizer; 'bytes' = byte-level tokenizer (tests)")
+    host: str = option("127.0.0.1", help="address the gRPC server binds to")
+    port: int = option(50051, help="gRPC port (0 = pick a free one)")
+    frontend_address: str = option("", help="ZMQ address runners connect to "
+                                            "('' = ipc://<runtime-dir>/frontend.sock)")
+    runtime_dir: str = option("", help="directory for ipc sockets ('' = kvserve.paths.runtime_dir())")
+    metrics_port: int = option(9400, help="Prometheus metrics port (0 = off)")
+    max_message_bytes: int = option(4 * 1024 * 1024, help="largest gRPC request message accepted")
+    max_prompt_tokens: int = option(0, help="longest prompt in tokens (0 = the context length)")
+    max_new_tokens_cap: int = option(4096, help="largest max_new_tokens a request may ask for")
+    default_max_new_tokens: int = option(128, help="max_new_tokens when a request leaves it unset")
+    max_concurrent_streams: int = option(256, help="open Generate streams before RESOURCE_EXHAUSTED")
+    max_waiting: int = option(256, help="requests waiting for their first token before "
+                                        "RESOURCE_EXHAUSTED")
+    max_stop_strings: int = option(16, help="most stop strings per request")
+    max_stop_len: int = option(256, help="longest stop string (characters)")
+    drain_timeout_s: float = option(10.0, help="seconds to let open streams finish on SIGTERM")
+    runner_timeout_s: float = option(1.5, help="seconds of runner silence before it counts as dead")
+    tls_cert: str = option("", help="PEM certificate chain for TLS (with --tls-key)")
+    tls_key: str = option("", help="PEM private key for TLS (with --tls-cert)")
+    auth_token_file: str = option("", help="file holding the bearer token clients must send "
+                                           "(health stays open)")
+    allow_remote: bool = option(False, help="allow a tcp:// --frontend-address that is not loopback "
+                                            "(the runner link has no auth)")
 
     def __post_init__(self) -> None:
-        _check_runner_address(self.frontend_address, self.allow_remote)
-        _check_port("port", self.port, allow_zero=True)
-        _check_port("metrics_port", self.metrics_port, allow_zero=True)
-        _check_positive(
+        if self.frontend_address:
+            check_address(self.frontend_address, name="frontend_address", allow_remote=self.allow_remote)
+        check_port("port", self.port, allow_zero=True)
+        check_port("metrics_port", self.metrics_port, allow_zero=True)
+        check_positive(
             self, "max_message_bytes", "max_new_tokens_cap", "default_max_new_tokens",
             "max_concurrent_streams", "max_waiting", "max_stop_strings", "max_stop_len",
             "drain_timeout_s", "runner_timeout_s",
@@ -82,59 +57,3 @@ class FrontendConfig:
             raise ConfigError(f"--max-prompt-tokens: must be >= 0, got {self.max_prompt_tokens}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("--tls-cert and --tls-key must be given together")
-
-
-@dataclass(frozen=True, slots=True)
-class ServeConfig:
-    """Everything `kvserve serve` needs to run memsvc, the runners and the frontend."""
-
-    model: str = ""
-    device: str = "auto"
-    dtype: str = "auto"  # resolved once by serve (runner.config.resolve_dtype) for every child
-    runners: int = 1
-    host: str = "127.0.0.1"
-    port: int = 50051
-    metrics_port: int = 9400  # frontend = this, memsvc = +1, runner i = +2+i; 0 = none
-    runtime_dir: str = ""
-    kv_tokens: int = 0  # 0 = memsvc's default
-    policy: str = ""  # "" = memsvc's default
-    ready_timeout_s: float = 600.0
-    drain_timeout_s: float = 10.0
-    max_message_bytes: int = 4 * 1024 * 1024  # these four: passed to the frontend, same defaults
-    max_prompt_tokens: int = 0
-    max_new_tokens_cap: int = 4096
-    max_concurrent_streams: int = 256
-    tls_cert: str = ""  # passed to the frontend
-    tls_key: str = ""
-    auth_token_file: str = ""
-    max_restarts: int = 5  # per child within restart_window_s, then give up (exit 1)
-    restart_window_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"--dtype: {self.dtype!r} is not one of {', '.join(DTYPES)}")
-        if self.device not in DEVICES and not self.device.startswith("cuda:"):
-            raise ConfigError(f"--device: {self.device!r} is not one of {', '.join(DEVICES)} or cuda:N")
-        if not 1 <= self.runners <= 64:
-            raise ConfigError(f"--runners: must be in 1..64, got {self.runners}")
-        _check_port("port", self.port, allow_zero=False)
-        _check_port("metrics_port", self.metrics_port, allow_zero=True)
-        if self.metrics_port and self.metrics_port + 2 + self.runners > 65536:
-            raise ConfigError(f"--metrics-port: {self.metrics_port} leaves no room for {self.runners} runners")
-        if self.kv_tokens < 0:
-            raise ConfigError(f"--kv-tokens: must be >= 0, got {self.kv_tokens}")
-        _check_positive(self, "ready_timeout_s", "drain_timeout_s", "restart_window_s",
-                        "max_message_bytes", "max_new_tokens_cap", "max_concurrent_streams")
-        if self.max_prompt_tokens < 0:
-            raise ConfigError(f"--max-prompt-tokens: must be >= 0, got {self.max_prompt_tokens}")
-        if bool(self.tls_cert) != bool(self.tls_key):
-            raise ConfigError("--tls-cert and --tls-key must be given together")
-        if self.max_restarts < 0:
-            raise ConfigError(f"--max-restarts: must be >= 0, got {self.max_restarts}")
-
-    def child_metrics_port(self, role: str, index: int = 0) -> int:
-        """Metrics port of one child: frontend base, memsvc base+1, runner i base+2+i (0 = off)."""
-        if not self.metrics_port:
-            return 0
-        offsets = {"frontend": 0, "memsvc": 1, "runner": 2 + index}
-        return self.metrics_port + offsets[role]

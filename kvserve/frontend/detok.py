@@ -1,55 +1,107 @@
 """Incremental detokenization and stop-string matching for one output stream.
 
-`IncrementalDetokenizer` turns token ids into text deltas as they arrive and never emits
-part of a UTF-8 character: while the decoded tail ends in U+FFFD (an incomplete byte
-sequence) it waits for the next token. `StopMatcher` holds back just enough text to find
-a stop string that spans token boundaries. `TextStream` chains the two.
+`IncrementalDetokenizer` turns token ids into text deltas as they arrive on top of
+`tokenizers.decoders.DecodeStream` (in Rust), which holds back a token while the decoded
+text ends in U+FFFD (an incomplete UTF-8 character) and so never emits half a character.
+The stream is seeded with the prompt's last tokens, so that decoders which drop the leading
+space of the first token (SentencePiece) decode the first output token as it reads after the
+prompt. Two things DecodeStream leaves to us: a real U+FFFD that the model emitted (it would
+be held until the stream ends), and the text still held when the stream ends.
+`StopMatcher` holds back just enough text to find a stop string that spans token
+boundaries. `TextStream` chains the two.
 
-This module only sees a ``decode(list[int]) -> str`` function; it knows nothing about
-tokenizers, gRPC or runners.
+This module sees a `tokenizers.Tokenizer` (through `StreamTokenizer`); it knows nothing
+about gRPC, runners or where the tokenizer came from.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
-REPLACEMENT = "\ufffd"
-WINDOW = 6  # ids kept as decoding context when the window slides
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+RESEED = 4  # ids kept as decoding context when the stream is restarted
+MAX_PENDING = 32  # held ids after which the held text is released as it decodes
+
+
+class StreamTokenizer(Protocol):
+    backend: Tokenizer
+    stable_replacement: bool  # a U+FFFD followed by more decoded text never changes
 
 
 class IncrementalDetokenizer:
     """Decode a growing list of token ids into text deltas that are always whole characters.
 
-    `context_ids` (e.g. the last prompt tokens) seed the window so that tokenizers which
-    drop a leading space on the first decoded token decode the first output correctly.
+    The concatenated deltas equal ``decode(context_ids + ids)[len(decode(context_ids)):]``
+    once the stream is flushed, and after every push whose text ends on a whole character.
     """
 
-    def __init__(self, decode: Callable[[list[int]], str], context_ids: Sequence[int] = ()) -> None:
-        self._decode = decode
-        self._ids: list[int] = list(context_ids)
-        self._prefix = 0  # first id of the decoded window
-        self._emitted = len(decode(self._ids))  # characters of the window already emitted
+    def __init__(self, tok: StreamTokenizer, context_ids: Sequence[int] = ()) -> None:
+        self._tok = tok.backend
+        self._stable = tok.stable_replacement
+        self._start(list(context_ids))
+
+    def _start(self, context: list[int]) -> None:
+        # Mirrors DecodeStream's own state: `_context` is the chunk it decodes the next text
+        # against (the ids of the last delta), `_pending` what it holds back since.
+        self._stream = DecodeStream(context, skip_special_tokens=True)
+        self._context = context
+        self._pending: list[int] = []
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Add new token ids; return the text they complete ("" while a character is partial)."""
-        self._ids.extend(token_ids)
-        return self._advance(final=False)
+        if not token_ids:
+            return ""
+        ids = list(token_ids)
+        try:
+            chunk = self._stream.step(self._tok, ids)
+        except Exception:  # tokenizers' bare Exception: the text before the held tail changed
+            self._pending += ids
+            return self._restart(self._pending)
+        if chunk is not None:
+            self._context = self._pending + ids
+            self._pending = []
+            return chunk
+        self._pending += ids
+        if len(self._pending) > MAX_PENDING:
+            return self._restart(self._pending)
+        if self._stable and len(self._pending) > 1:
+            return self._release_final_replacement()
+        return ""
 
     def flush(self) -> str:
-        """Return whatever is left at the end of the stream (an unfinished byte run decodes to U+FFFD)."""
-        return self._advance(final=True)
+        """Return the text still held at the end of the stream (an unfinished character decodes to U+FFFD)."""
+        if not self._pending:
+            return ""
+        return self._restart(self._pending)
 
-    def _advance(self, *, final: bool) -> str:
-        text = self._decode(self._ids[self._prefix :])
-        safe = len(text) if final else len(text.rstrip(REPLACEMENT))
-        delta = text[self._emitted : safe] if safe > self._emitted else ""
-        self._emitted = max(self._emitted, safe)
-        if safe == len(text) and len(self._ids) - self._prefix > 2 * WINDOW:
-            # Everything is emitted: slide the window, keeping a little context.
-            self._prefix = len(self._ids) - WINDOW
-            self._emitted = len(self._decode(self._ids[self._prefix :]))
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+    def _restart(self, held: list[int]) -> str:
+        """Emit `held` as it decodes now and restart the stream after it."""
+        ids = self._context + held
+        text = self._decode(ids)
+        delta = text[len(self._decode(self._context)) :]
+        self._start(ids[-RESEED:])
         return delta
+
+    def _release_final_replacement(self) -> str:
+        """The held text ends in U+FFFD. When the text before the newest token also ends in
+        U+FFFD and is a strict prefix of the whole, that U+FFFD has been followed by more
+        text, so it is a finished one (a real U+FFFD, or bytes that can no longer complete):
+        emit up to it rather than hold it until the stream ends."""
+        head_ids = self._context + self._pending[:-1]
+        base, head = self._decode(self._context), self._decode(head_ids)
+        text = self._decode(head_ids + self._pending[-1:])
+        if not (len(text) > len(head) > len(base) and text.startswith(head) and head.startswith(base)):
+            return ""
+        newest = self._pending[-1:]
+        self._start(self._pending[:-1])
+        return head[len(base) :] + self.push(newest)
 
 
 class StopMatcher:
@@ -101,25 +153,20 @@ class TextStream:
 
     detok: IncrementalDetokenizer
     matcher: StopMatcher
-    text: list[str] = field(default_factory=list)
 
     @classmethod
-    def create(cls, decode: Callable[[list[int]], str], stops: Sequence[str] = (),
+    def create(cls, tok: StreamTokenizer, stops: Sequence[str] = (),
                context_ids: Sequence[int] = ()) -> TextStream:
-        return cls(IncrementalDetokenizer(decode, context_ids), StopMatcher(stops))
+        return cls(IncrementalDetokenizer(tok, context_ids), StopMatcher(stops))
 
     def push(self, token_ids: Sequence[int]) -> tuple[str, bool]:
         """Return (text delta, stopped by a stop string)."""
-        out, stopped = self.matcher.push(self.detok.push(token_ids))
-        self.text.append(out)
-        return out, stopped
+        return self.matcher.push(self.detok.push(token_ids))
 
     def finish(self) -> str:
         """Text left at the end of a stream that was not stopped by a stop string."""
         out, stopped = self.matcher.push(self.detok.flush())
-        out = out + ("" if stopped else self.matcher.flush())
-        self.text.append(out)
-        return out
+        return out + ("" if stopped else self.matcher.flush())
 
     @property
     def stopped(self) -> bool:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ import zmq.asyncio
 from kvserve.frontend.router import Router
 from kvserve.messages.frontend_runner import (
     DOWN,
+    PROTOCOL_VERSION,
     UP,
     AbortReq,
     GenerateReq,
@@ -33,6 +33,7 @@ from kvserve.messages.frontend_runner import (
     TokenBatch,
     TokenOut,
 )
+from kvserve.paths import bind_private
 from kvserve.wire import WireError
 
 log = logging.getLogger("kvserve.frontend")
@@ -81,6 +82,7 @@ class Dispatcher:
         self.router = router
         self.pending: dict[str, Pending] = {}
         self.malformed = 0
+        self.refused = 0  # Hellos of runners that speak another protocol version
         self._on_change = on_runners_changed
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -92,13 +94,7 @@ class Dispatcher:
     def start(self) -> None:
         """Bind the socket (an ipc:// socket file is owner-only, 0600) and start the receive
         and liveness loops (needs a running loop)."""
-        old = os.umask(0o177)
-        try:
-            self._sock.bind(self.address)
-        finally:
-            os.umask(old)
-        if self.address.startswith("ipc://"):
-            os.chmod(self.address[len("ipc://"):], 0o600)
+        bind_private(self._sock, self.address)
         self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._reap_loop())]
 
     async def close(self) -> None:
@@ -170,6 +166,12 @@ class Dispatcher:
     def _handle(self, identity: str, msg: Hello | RunnerStatus | TokenBatch) -> None:
         now = time.monotonic()
         if isinstance(msg, Hello):
+            if msg.protocol != PROTOCOL_VERSION:
+                self.refused += 1
+                log.error("runner %s (pid %d) refused: it speaks protocol version %d, this frontend "
+                          "speaks %d (%d refused so far)", msg.runner_id, msg.pid, msg.protocol,
+                          PROTOCOL_VERSION, self.refused)
+                return
             log.info("runner %s (pid %d) connected", msg.runner_id, msg.pid)
             self._fail(msg.runner_id, self.router.hello(msg, now))
         elif isinstance(msg, RunnerStatus):

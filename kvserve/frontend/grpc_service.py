@@ -126,7 +126,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         self._gauges()
         return _Call(
             rid=rid, pending=pending, arrival=arrival, last=arrival,
-            stream=TextStream.create(self.tok.decode, prep.stops, prep.prompt_ids[-DETOK_CONTEXT:]),
+            stream=TextStream.create(self.tok, prep.stops, prep.prompt_ids[-DETOK_CONTEXT:]),
             usage=_Usage(prompt=len(prep.prompt_ids)),
         )
 

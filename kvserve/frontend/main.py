@@ -32,7 +32,7 @@ from kvserve.frontend.metrics import FrontendMetrics
 from kvserve.frontend.router import Router
 from kvserve.metrics import serve_metrics
 from kvserve.model.tokenizer import load_frontend_tokenizer
-from kvserve.paths import runtime_dir
+from kvserve.paths import FRONTEND_SOCKET, ipc_address
 from kvserve.v1 import generator_pb2 as pb
 from kvserve.v1 import generator_pb2_grpc as pb_grpc
 
@@ -42,34 +42,9 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generator"].full_name
 HEALTH_NAMES = ("", SERVICE_NAME)
 _OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
-HELP = {
-    "model": "model: a HF directory, a .gguf file, or '' for the embedded default",
-    "tokenizer": "'' = the model's tokenizer; 'bytes' = byte-level tokenizer (tests)",
-    "host": "address to bind the gRPC server to",
-    "port": "gRPC port (0 = pick a free one)",
-    "frontend_address": "ZMQ address runners connect to ('' = ipc://<runtime-dir>/frontend.sock)",
-    "runtime_dir": "directory for ipc sockets ('' = kvserve.paths.runtime_dir())",
-    "metrics_port": "Prometheus metrics port (0 = off)",
-    "max_message_bytes": "largest gRPC request message accepted",
-    "max_prompt_tokens": "longest prompt in tokens (0 = the context length)",
-    "max_new_tokens_cap": "largest max_new_tokens a request may ask for",
-    "default_max_new_tokens": "max_new_tokens when a request leaves it unset",
-    "max_concurrent_streams": "open Generate streams before RESOURCE_EXHAUSTED",
-    "max_waiting": "requests waiting for their first token before RESOURCE_EXHAUSTED",
-    "max_stop_strings": "most stop strings per request",
-    "max_stop_len": "longest stop string (characters)",
-    "drain_timeout_s": "seconds to let open streams finish on SIGTERM",
-    "runner_timeout_s": "seconds of runner silence before it counts as dead",
-    "tls_cert": "PEM certificate chain for TLS (with --tls-key)",
-    "tls_key": "PEM private key for TLS (with --tls-cert)",
-    "auth_token_file": "file holding a bearer token that clients must send (health stays open)",
-    "allow_remote": "allow a tcp:// --frontend-address that is not loopback (the runner link has no auth)",
-}
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve frontend", description=__doc__.split("\n\n")[0])
-    add_dataclass_flags(parser, FrontendConfig, help=HELP)
+    add_dataclass_flags(parser, FrontendConfig)
     parser.add_argument("--config", default=None, help="TOML file with a [frontend] table")
     return parser
 
@@ -129,7 +104,7 @@ async def _serve(cfg: FrontendConfig) -> int:
     metrics = FrontendMetrics()
     metrics.set_info(model=tok.name, tokenizer=cfg.tokenizer or "model")
     metrics_server = serve_metrics(metrics.registry, cfg.metrics_port)
-    address = cfg.frontend_address or f"ipc://{runtime_dir(cfg.runtime_dir or None) / 'frontend.sock'}"
+    address = cfg.frontend_address or ipc_address(FRONTEND_SOCKET, cfg.runtime_dir or None)
     health_servicer = health.aio.HealthServicer()
     live = asyncio.Event()
     loop = asyncio.get_running_loop()

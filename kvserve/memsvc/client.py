@@ -19,7 +19,8 @@ import zmq
 
 from kvserve.memsvc.sharing import open_buffer
 from kvserve.messages.runner_memsvc import (
-    CODEC,
+    REPLIES,
+    REQUESTS,
     Admit,
     Attach,
     AttachReply,
@@ -87,7 +88,7 @@ class MemClient:
                 self._sock = self._socket()
             sock = self._sock
         sock.rcvtimeo = int(self.timeout_s * 1000)  # recv raises zmq.Again after that
-        sock.send(CODEC.encode(msg))
+        sock.send(REQUESTS.encode(msg))
         try:
             frame = sock.recv()
         except zmq.Again:
@@ -98,7 +99,7 @@ class MemClient:
                 f"memsvc at {self.address} did not answer within {self.timeout_s} s"
             ) from None
         try:
-            reply = CODEC.decode(frame)
+            reply = REPLIES.decode(frame)
         except WireError as exc:
             raise MemsvcError(f"undecodable reply from memsvc: {exc}") from None
         if isinstance(reply, ErrorReply):

@@ -11,8 +11,8 @@ This module knows nothing about pool internals beyond what `MemsvcService` offer
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
-import os
 import signal
 import sys
 import time
@@ -20,13 +20,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import zmq
-from prometheus_client import start_http_server
 
 from kvserve import sdnotify
 from kvserve.config import ConfigError, add_dataclass_flags, config_from_args
-from kvserve.config.memsvc import MemsvcConfig, resolve_shape
-from kvserve.messages.runner_memsvc import CODEC, Stats
-from kvserve.paths import runtime_dir
+from kvserve.config.devices import resolve_device, resolve_dtype
+from kvserve.config.memsvc import MemsvcConfig
+from kvserve.memsvc.shape import resolve_shape
+from kvserve.messages.runner_memsvc import REQUESTS, Stats
+from kvserve.metrics import serve_metrics
+from kvserve.paths import MEMSVC_SOCKET, bind_private, ipc_address
 
 if TYPE_CHECKING:
     from kvserve.memsvc.service import MemsvcService
@@ -38,11 +40,6 @@ REAP_INTERVAL_S = 0.2
 IDLE_AFTER_S = 0.2
 
 
-def default_address(explicit_runtime_dir: str | None = None) -> str:
-    """The default memsvc address: ipc://<runtime_dir>/memsvc.sock."""
-    return f"ipc://{runtime_dir(explicit_runtime_dir) / 'memsvc.sock'}"
-
-
 def _claim_ipc_path(ctx: zmq.Context, address: str) -> Path:
     """Refuse a socket path another live memsvc serves; remove a stale one."""
     path = Path(address[len("ipc://"):])
@@ -50,7 +47,7 @@ def _claim_ipc_path(ctx: zmq.Context, address: str) -> Path:
         probe = ctx.socket(zmq.DEALER)
         probe.linger = 0
         probe.connect(address)
-        probe.send(CODEC.encode(Stats()))
+        probe.send(REQUESTS.encode(Stats()))
         alive = probe.poll(300) != 0
         probe.close()
         if alive:
@@ -69,18 +66,9 @@ class MemsvcServer:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.linger = 0
-        self._ipc_path: Path | None = None
         if address.startswith("ipc://"):
-            self._ipc_path = _claim_ipc_path(self.ctx, address)
-            self._ipc_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            old = os.umask(0o177)
-            try:
-                self.sock.bind(address)
-            finally:
-                os.umask(old)
-            os.chmod(self._ipc_path, 0o600)
-        else:
-            self.sock.bind(address)
+            _claim_ipc_path(self.ctx, address)
+        self._ipc_path = bind_private(self.sock, address)
         self._running = True
 
     def stop(self, *_: object) -> None:
@@ -128,12 +116,7 @@ class MemsvcServer:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve memsvc", description="Run the KV memory service.")
     parser.add_argument("--config", default=None, help="TOML file with a [memsvc] table")
-    add_dataclass_flags(parser, MemsvcConfig, help={
-        "model": "model (.gguf or HF dir) whose KV layout to serve; default: embedded model",
-        "kv_tokens": "pool size in tokens", "kv_memory": "pool size in bytes, e.g. 2GiB",
-        "address": "ipc://PATH or tcp://127.0.0.1:PORT (default: ipc://<runtime dir>/memsvc.sock)",
-        "metrics_port": "Prometheus port (0 = off)", "policy": "reserve | optimistic",
-    })
+    add_dataclass_flags(parser, MemsvcConfig)
     return parser
 
 
@@ -143,8 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
         cfg = config_from_args(MemsvcConfig, args, section="memsvc", toml_path=args.config)
+        device = resolve_device(cfg.device)  # "auto": the same resolution as the runners'
+        cfg = dataclasses.replace(cfg, device=device, dtype=resolve_dtype(cfg.dtype, device))
         shape = resolve_shape(cfg)
-        address = cfg.address or default_address(cfg.runtime_dir)
+        address = cfg.address or ipc_address(MEMSVC_SOCKET, cfg.runtime_dir)
     except (ConfigError, PermissionError) as exc:
         print(f"kvserve memsvc: error: {exc}", file=sys.stderr)
         return 2
@@ -162,11 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         service.close()
         print(f"kvserve memsvc: error: cannot bind {address}: {exc}", file=sys.stderr)
         return 1
-    http = None
     try:
-        if cfg.metrics_port:
-            http, _ = start_http_server(cfg.metrics_port, addr=cfg.metrics_host,
-                                        registry=service.metrics.registry)
+        http = serve_metrics(service.metrics.registry, cfg.metrics_port, cfg.metrics_host)
     except OSError as exc:
         server.close()
         print(f"kvserve memsvc: error: metrics port {cfg.metrics_port}: {exc}", file=sys.stderr)
@@ -181,8 +163,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         sdnotify.notify("STOPPING=1")
         server.close()
-        if http is not None:
-            http.shutdown()
-            http.server_close()
+        http.shutdown()
     log.info("memsvc stopped")
     return 0

@@ -21,14 +21,16 @@ from typing import Any
 import torch
 
 from kvserve import __version__
-from kvserve.config.memsvc import PoolShape
 from kvserve.memsvc.integrity import check_integrity
 from kvserve.memsvc.metrics import MemsvcMetrics
 from kvserve.memsvc.policy import make_policy
 from kvserve.memsvc.pool import ItemError, Pool
+from kvserve.memsvc.shape import PoolShape
 from kvserve.memsvc.storage import KVStorage, ReqToTokenPool
 from kvserve.messages.runner_memsvc import (
-    CODEC,
+    PROTOCOL_VERSION,
+    REPLIES,
+    REQUESTS,
     Attach,
     AttachReply,
     Detach,
@@ -98,25 +100,22 @@ class MemsvcService:
     def handle(self, frame: bytes) -> bytes:
         """Decode, apply and answer one request frame."""
         try:
-            msg = CODEC.decode(frame)
-            handler = self._handlers.get(type(msg))
-            if handler is None:
-                raise WireError(f"type: {type(msg).__name__} is a reply, not a request")
+            msg = REQUESTS.decode(frame)
         except WireError as exc:
             return self.bad(f"bad message: {exc}")
         start = time.perf_counter()
-        reply = handler(msg)
+        reply = self._handlers[type(msg)](msg)
         if isinstance(reply, ErrorReply):
             self._count_bad(reply.error)
         if isinstance(msg, Step):
             self.metrics.step_latency.observe(time.perf_counter() - start)
         self.refresh_metrics()
-        return CODEC.encode(reply)
+        return REPLIES.encode(reply)
 
     def bad(self, error: str) -> bytes:
         """Count a bad message and return the encoded ErrorReply."""
         self._count_bad(error)
-        return CODEC.encode(ErrorReply(error))
+        return REPLIES.encode(ErrorReply(error))
 
     def _count_bad(self, error: str, n: int = 1) -> None:
         self.bad_messages += n
@@ -171,6 +170,9 @@ class MemsvcService:
         return ErrorReply(f"lease {lease_id}: unknown lease (expired, detached or never attached); re-attach")
 
     def _attach(self, msg: Attach) -> AttachReply | ErrorReply:
+        if msg.protocol != PROTOCOL_VERSION:
+            return ErrorReply(f"attach: protocol version {msg.protocol} != memsvc's {PROTOCOL_VERSION}: "
+                              "run a runner and a memsvc of the same kvserve release")
         mine = self.layout
         wrong = [f"{name} {got!r} != pool's {want!r}" for name, got, want in (
             ("n_layers", msg.n_layers, mine.n_layers), ("n_kv_heads", msg.n_kv_heads, mine.n_kv_heads),

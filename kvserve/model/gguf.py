@@ -8,10 +8,7 @@ sees exactly what a HF checkpoint holds. It knows nothing about modules or devic
 
 from __future__ import annotations
 
-import hashlib
-import os
 import re
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +16,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvserve.model import tokenizer_cache
 from kvserve.model.config import ModelConfig, ModelLoadError, config_from_gguf
+from kvserve.model.files import ModelFileError
 
 _BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
@@ -130,45 +129,13 @@ def iter_tensors(
         yield name, torch.from_numpy(np.array(arr, dtype=np.float32, order="C"))
 
 
-def eos_ids(fields: dict[str, Any]) -> list[int]:
-    """End-of-generation ids named by the GGUF tokenizer metadata."""
-    keys = (
-        "tokenizer.ggml.eos_token_id",
-        "tokenizer.ggml.eot_token_id",
-        "tokenizer.ggml.eom_token_id",
-    )
-    out: list[int] = []
-    for key in keys:
-        value = fields.get(key)
-        if value is not None and int(value) not in out:
-            out.append(int(value))
-    return out
-
-
 def cached_tokenizer(path: Path, cache_root: Path) -> Any:
-    """The tokenizer of a GGUF file; built once by transformers (slow) and cached as tokenizer.json."""
+    """The transformers tokenizer of a GGUF file, from the tokenizer.json directory that
+    `kvserve.model.tokenizer_cache` builds once per file (the frontend reads the same one)."""
     from transformers import AutoTokenizer
 
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[
-        :16
-    ]
-    target = cache_root / f"{path.stem}-{key}"
-    if (target / "tokenizer.json").is_file():
-        return AutoTokenizer.from_pretrained(str(target))
     try:
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    except Exception as exc:
-        raise ModelLoadError(
-            f"model {path}: cannot build a tokenizer from the GGUF metadata ({exc})"
-        ) from None
-    cache_root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=cache_root, prefix=".tok-"))
-    tok.save_pretrained(str(tmp))
-    try:
-        os.replace(tmp, target)
-    except OSError:  # another process cached it first
-        for f in tmp.iterdir():
-            f.unlink()
-        tmp.rmdir()
-    return tok
+        target = tokenizer_cache.build(path, cache_root)
+    except ModelFileError as exc:
+        raise ModelLoadError(str(exc)) from None
+    return AutoTokenizer.from_pretrained(str(target))

@@ -10,7 +10,6 @@ knows nothing about KV slots, scheduling or sampling.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ import torch
 
 from kvserve.model import gguf as ggufload
 from kvserve.model.config import ModelConfig, ModelLoadError, config_from_hf
-from kvserve.model.files import ModelFileError, resolve_model
+from kvserve.model.files import ModelFileError, gguf_eos_ids, model_name, resolve_model
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.paths import cache_dir
 
@@ -33,9 +32,6 @@ __all__ = [
     "load_tokenizer",
     "load_weights",
 ]
-
-_QUANT_SUFFIX = re.compile(r"\.(i?q\d\w*|f16|f32|bf16)$", re.IGNORECASE)
-
 
 @dataclass(slots=True)
 class LoadedModel:
@@ -66,13 +62,6 @@ def _resolve(spec: str | None) -> Path:
         return resolve_model(spec)
     except ModelFileError as exc:
         raise ModelLoadError(str(exc)) from None
-
-
-def model_name(path: Path) -> str:
-    """A display name: the directory name, or the GGUF file stem without its quant suffix."""
-    if path.is_dir():
-        return path.resolve().name
-    return _QUANT_SUFFIX.sub("", path.name.removesuffix(".gguf"))
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -215,7 +204,7 @@ def _tokenizer_bundle(path: Path, config: ModelConfig) -> TokenizerBundle:
         reader = ggufload.open_reader(path)
         fields = ggufload.read_fields(reader)
         tokenizer = ggufload.cached_tokenizer(path, cache_dir() / "tokenizers")
-        eos = ggufload.eos_ids(fields) or (
+        eos = gguf_eos_ids(fields) or (
             [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         )
         template = fields.get("tokenizer.chat_template") or getattr(

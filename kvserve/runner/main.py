@@ -27,7 +27,8 @@ import zmq
 
 from kvserve import sdnotify
 from kvserve.config import ConfigError, add_dataclass_flags, config_from_args
-from kvserve.config.runner import HELP, RunnerConfig, resolve_backend, resolve_device, resolve_dtype
+from kvserve.config.devices import resolve_device, resolve_dtype
+from kvserve.config.runner import RunnerConfig, resolve_backend
 from kvserve.messages.frontend_runner import (
     DOWN,
     STATUS_INTERVAL_S,
@@ -39,7 +40,7 @@ from kvserve.messages.frontend_runner import (
     TokenBatch,
     TokenOut,
 )
-from kvserve.paths import runtime_dir
+from kvserve.paths import FRONTEND_SOCKET, MEMSVC_SOCKET, ipc_address
 from kvserve.wire import WireError
 
 log = logging.getLogger("kvserve.runner")
@@ -71,11 +72,8 @@ class Worker:
         self._status_thread: threading.Thread | None = None
         self.bad_frames = 0
         self._next_attach = 0.0
-        rt = None
-        if not (cfg.memsvc_address and cfg.frontend_address):
-            rt = runtime_dir(cfg.runtime_dir or None)
-        self.memsvc_address = cfg.memsvc_address or f"ipc://{rt}/memsvc.sock"
-        self.frontend_address = cfg.frontend_address or f"ipc://{rt}/frontend.sock"
+        self.memsvc_address = cfg.memsvc_address or ipc_address(MEMSVC_SOCKET, cfg.runtime_dir or None)
+        self.frontend_address = cfg.frontend_address or ipc_address(FRONTEND_SOCKET, cfg.runtime_dir or None)
 
     # ---- setup -------------------------------------------------------------------------
     def setup(self) -> bool:
@@ -302,7 +300,7 @@ class Worker:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve runner", description="Run one runner worker.")
     parser.add_argument("--config", default=None, help="TOML config file ([runner] table)")
-    add_dataclass_flags(parser, RunnerConfig, help=HELP)
+    add_dataclass_flags(parser, RunnerConfig)
     return parser
 
 

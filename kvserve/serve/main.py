@@ -8,14 +8,22 @@ dies more than ``--max-restarts`` times within ``--restart-window-s`` makes serv
 up and exit 1. SIGINT/SIGTERM stop the frontend first (it drains), then the runners,
 then memsvc, remove the sockets, and exit 0.
 
+The whole config (kvserve.config.serve: serve's flags, the [serve], [memsvc], [runner]
+and [frontend] tables, KVSERVE_*) is validated before anything starts. Each child's
+command line then carries its config (every setting that differs from the child's
+default, plus what serve sets: addresses, runner ids, metrics ports, the runtime dir),
+and the child inherits neither $KVSERVE_CONFIG nor the KVSERVE_* variables of its own
+settings, so it runs exactly what serve validated.
+
 This module knows process management and the children's flags, nothing about their
-internals.
+internals; it never imports torch (device and dtype "auto" are resolved by the children).
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import logging
 import os
 import signal
@@ -28,36 +36,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvserve import sdnotify
-from kvserve.config import ConfigError, add_dataclass_flags, config_from_args
-from kvserve.config.frontend import ServeConfig
-from kvserve.config.runner import resolve_dtype
-from kvserve.paths import runtime_dir
+from kvserve.config import CONFIG_ENV, ENV_PREFIX, ConfigError, setting_fields, to_flags
+from kvserve.config.serve import CHILDREN, ServeConfig, add_serve_flags, load_serve_config
+from kvserve.paths import FRONTEND_SOCKET, MEMSVC_SOCKET, ipc_address, runtime_dir
 
 log = logging.getLogger("kvserve.serve")
 
-HELP = {
-    "model": "model: a HF directory, a .gguf file, or '' for the embedded default",
-    "device": "auto | cpu | cuda | cuda:N (auto = cuda when available)",
-    "dtype": "auto | float32 | bfloat16 | float16 (auto = bfloat16 on CUDA or CPUs with native bf16, else float32)",
-    "runners": "number of runner workers",
-    "host": "gRPC bind address",
-    "port": "gRPC port",
-    "metrics_port": "metrics base port: frontend = it, memsvc = +1, runner i = +2+i (0 = off)",
-    "runtime_dir": "directory for sockets shared by the children ('' = kvserve.paths.runtime_dir())",
-    "kv_tokens": "KV pool size in tokens (0 = memsvc's default)",
-    "policy": "memsvc admission policy: reserve | optimistic ('' = memsvc's default)",
-    "ready_timeout_s": "seconds to wait for every child to be ready",
-    "drain_timeout_s": "seconds the frontend may drain open streams on shutdown",
-    "max_message_bytes": "frontend: largest gRPC request message accepted",
-    "max_prompt_tokens": "frontend: longest prompt in tokens (0 = the context length)",
-    "max_new_tokens_cap": "frontend: largest max_new_tokens a request may ask for",
-    "max_concurrent_streams": "frontend: open Generate streams before RESOURCE_EXHAUSTED",
-    "tls_cert": "frontend: PEM certificate chain for TLS (with --tls-key)",
-    "tls_key": "frontend: PEM private key for TLS (with --tls-cert)",
-    "auth_token_file": "frontend: file holding the bearer token clients must send (health stays open)",
-    "max_restarts": "restarts of one child within --restart-window-s before giving up",
-    "restart_window_s": "window for --max-restarts",
-}
 POLL_S = 0.1
 STOP_TIMEOUT_S = 15.0
 
@@ -74,6 +58,7 @@ class Child:
     sock: socket.socket | None = None
     ready: bool = False
     deaths: deque[float] = field(default_factory=deque)
+    env_drop: frozenset[str] = frozenset()  # variables the child must not inherit
 
 
 def _die_with_parent() -> None:
@@ -84,17 +69,6 @@ def _die_with_parent() -> None:
         pass
 
 
-def _resolve_device(device: str) -> str:
-    if device != "auto":
-        return device
-    try:
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    except ImportError:
-        return "cpu"
-
-
 class Supervisor:
     """Starts, watches, restarts and stops the children of one `kvserve serve`."""
 
@@ -102,36 +76,31 @@ class Supervisor:
         self.cfg = cfg
         self.runtime = runtime
         self.stopping = False
-        self.memsvc_address = f"ipc://{runtime / 'memsvc.sock'}"
-        self.frontend_address = f"ipc://{runtime / 'frontend.sock'}"
-        device = _resolve_device(cfg.device)
-        model = ["--model", cfg.model] if cfg.model else []
-        # memsvc and the runners must agree on the dtype: resolve "auto" once, here.
-        dtype = resolve_dtype(cfg.dtype, device)
-        common = [*model, "--dtype", dtype, "--device", device, "--runtime-dir", str(runtime)]
-        memsvc = ["--address", self.memsvc_address, "--metrics-port", str(cfg.child_metrics_port("memsvc"))]
-        memsvc += ["--kv-tokens", str(cfg.kv_tokens)] if cfg.kv_tokens else []
-        memsvc += ["--policy", cfg.policy] if cfg.policy else []
-        self.children = [self._child("memsvc", "memsvc", common + memsvc)]
+        self.memsvc_address = ipc_address(MEMSVC_SOCKET, runtime)
+        self.frontend_address = ipc_address(FRONTEND_SOCKET, runtime)
+        here = {"runtime_dir": str(runtime)}
+        self.children = [self._child("memsvc", cfg.memsvc, here | {
+            "address": self.memsvc_address, "metrics_port": cfg.child_metrics_port("memsvc")})]
         for i in range(cfg.runners):
-            self.children.append(self._child(f"runner-{i}", "runner", common + [
-                "--memsvc-address", self.memsvc_address, "--frontend-address", self.frontend_address,
-                "--runner-id", f"runner-{i}", "--metrics-port", str(cfg.child_metrics_port("runner", i)),
-            ]))
-        self.children.append(self._child("frontend", "frontend", [
-            *model, "--host", cfg.host, "--port", str(cfg.port), "--frontend-address",
-            self.frontend_address, "--metrics-port", str(cfg.child_metrics_port("frontend")),
-            "--runtime-dir", str(runtime), "--drain-timeout-s", str(cfg.drain_timeout_s),
-            "--max-message-bytes", str(cfg.max_message_bytes), "--max-prompt-tokens",
-            str(cfg.max_prompt_tokens), "--max-new-tokens-cap", str(cfg.max_new_tokens_cap),
-            "--max-concurrent-streams", str(cfg.max_concurrent_streams),
-            *(["--tls-cert", cfg.tls_cert, "--tls-key", cfg.tls_key] if cfg.tls_cert else []),
-            *(["--auth-token-file", cfg.auth_token_file] if cfg.auth_token_file else []),
-        ]))
+            self.children.append(self._child(f"runner-{i}", cfg.runner, here | {
+                "memsvc_address": self.memsvc_address, "frontend_address": self.frontend_address,
+                "runner_id": f"runner-{i}", "metrics_port": cfg.child_metrics_port("runner", i)}))
+        self.children.append(self._child("frontend", cfg.frontend, here | {
+            "frontend_address": self.frontend_address, "metrics_port": cfg.child_metrics_port("frontend")}))
 
-    def _child(self, name: str, role: str, args: list[str]) -> Child:
-        argv = [sys.executable, "-m", "kvserve.cli", role, *args]
-        return Child(name=name, role=role, argv=argv, notify_path=self.runtime / f"notify-{name}.sock")
+    def _child(self, name: str, child_cfg: object, sets: dict[str, object]) -> Child:
+        """A child whose command line rebuilds `child_cfg` with what serve `sets` on top (those
+        flags always written out); validated here, before anything starts."""
+        role = next(r for r, cls in CHILDREN.items() if isinstance(child_cfg, cls))
+        try:
+            full = dataclasses.replace(child_cfg, **sets)
+        except ConfigError as exc:
+            raise ConfigError(f"{role} settings: {exc}") from None
+        argv = [sys.executable, "-m", "kvserve.cli", role, *to_flags(full, always=sets)]
+        # the child must see exactly that config: not the file, nor variables of its settings
+        drop = frozenset([CONFIG_ENV, *(ENV_PREFIX + n.upper() for n in setting_fields(type(full)))])
+        return Child(name=name, role=role, argv=argv, notify_path=self.runtime / f"notify-{name}.sock",
+                     env_drop=drop)
 
     def by_role(self, role: str) -> list[Child]:
         return [c for c in self.children if c.role == role]
@@ -143,7 +112,8 @@ class Supervisor:
             child.sock.bind(str(child.notify_path))
             os.chmod(child.notify_path, 0o600)
             child.sock.setblocking(False)
-        env = dict(os.environ, NOTIFY_SOCKET=str(child.notify_path), KVSERVE_RUNTIME_DIR=str(self.runtime))
+        env = {k: v for k, v in os.environ.items() if k not in child.env_drop}
+        env |= {"NOTIFY_SOCKET": str(child.notify_path), "KVSERVE_RUNTIME_DIR": str(self.runtime)}
         env.pop("WATCHDOG_USEC", None)
         env.pop("WATCHDOG_PID", None)
         child.ready = False
@@ -167,7 +137,7 @@ class Supervisor:
         frontend = self.by_role("frontend")[0]
         if not frontend.ready or all(c.ready for c in self.by_role("runner")):
             return
-        live = set(_live_runner_ids(self.cfg.host, self.cfg.port))
+        live = set(_live_runner_ids(self.cfg.frontend.host, self.cfg.frontend.port))
         for c in self.by_role("runner"):
             if not c.ready and c.name in live:
                 c.ready = True
@@ -195,7 +165,7 @@ class Supervisor:
 
     def stop_all(self) -> None:
         """Frontend first (it drains), then runners, then memsvc; SIGKILL what lingers."""
-        order = [("frontend", self.cfg.drain_timeout_s + 5.0), ("runner", STOP_TIMEOUT_S),
+        order = [("frontend", self.cfg.frontend.drain_timeout_s + 5.0), ("runner", STOP_TIMEOUT_S),
                  ("memsvc", STOP_TIMEOUT_S)]
         for role, timeout in order:
             group = [c for c in self.by_role(role) if c.proc is not None]
@@ -215,7 +185,7 @@ class Supervisor:
                 c.sock.close()
                 c.sock = None
             c.notify_path.unlink(missing_ok=True)
-        for name in ("frontend.sock", "memsvc.sock"):
+        for name in (FRONTEND_SOCKET, MEMSVC_SOCKET):
             (self.runtime / name).unlink(missing_ok=True)
 
 
@@ -235,15 +205,16 @@ def _live_runner_ids(host: str, port: int) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve serve", description=__doc__.split("\n\n")[0])
-    add_dataclass_flags(parser, ServeConfig, help=HELP)
-    parser.add_argument("--config", default=None, help="TOML file with a [serve] table")
+    parser.add_argument("--config", default=None, help=(
+        "TOML file: its [serve] table, and the [memsvc], [runner] and [frontend] tables handed "
+        "to the children; serve's flags and [serve] keys win over those (default: $KVSERVE_CONFIG)"))
+    add_serve_flags(parser)
     return parser
 
 
-def run(cfg: ServeConfig) -> int:
+def run(sup: Supervisor) -> int:
     """Run the service until SIGINT/SIGTERM (0) or until it cannot be kept up (1)."""
-    runtime = runtime_dir(cfg.runtime_dir or None)
-    sup = Supervisor(cfg, runtime)
+    cfg = sup.cfg
     stop_signals: list[int] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda s, _f: stop_signals.append(s))
@@ -267,7 +238,8 @@ def run(cfg: ServeConfig) -> int:
                 break
             if not announced and sup.all_ready():
                 announced = True
-                print(f"kvserve serving on {cfg.host}:{cfg.port} ({cfg.runners} runner(s))", flush=True)
+                print(f"kvserve serving on {cfg.frontend.host}:{cfg.frontend.port} ({cfg.runners} runner(s))",
+                      flush=True)
                 sdnotify.notify("READY=1")
             if not announced and time.monotonic() - started > cfg.ready_timeout_s:
                 waiting = [c.name for c in sup.children if not c.ready]
@@ -292,11 +264,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s serve %(levelname)s %(message)s")
     try:
-        cfg = config_from_args(ServeConfig, args, section="serve", toml_path=args.config)
-    except ConfigError as exc:
+        cfg = load_serve_config(toml_path=args.config, flags=vars(args))
+        sup = Supervisor(cfg, runtime_dir(cfg.runtime_dir or None))
+    except (ConfigError, PermissionError) as exc:
         print(f"kvserve serve: {exc}", file=sys.stderr)
         return 2
-    return run(cfg)
+    return run(sup)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvserve.messages.runner_memsvc import CODEC, ErrorReply, Stats
+from kvserve.messages.runner_memsvc import REPLIES, REQUESTS, ErrorReply, Stats
 from kvserve.tools.loadgen import OK_REASONS, run_load
 from kvserve.v1 import generator_pb2 as pb
 from kvserve.wire import WireError
@@ -222,7 +222,7 @@ def _is_good(frames: list[bytes]) -> bool:
     if len(frames) != 1:
         return False
     try:
-        msg = CODEC.decode(frames[0])
+        msg = REQUESTS.decode(frames[0])
     except WireError:
         return False
     return type(msg).__name__ in ("Stats", "Attach")
@@ -245,13 +245,13 @@ def test_fuzzed_memsvc_socket_survives_counts_and_keeps_state(svc: Service) -> N
             return
         sock.send_multipart(frames)
         assert sock.poll(5000), "memsvc did not answer a bad frame"
-        reply = CODEC.decode(sock.recv())
+        reply = REPLIES.decode(sock.recv())
         assert isinstance(reply, ErrorReply) and reply.error, reply
         sent += 1
 
     try:
         fuzz()
-        sock.send(CODEC.encode(Stats()))
+        sock.send(REQUESTS.encode(Stats()))
         assert sock.poll(5000)
     finally:
         sock.close(0)

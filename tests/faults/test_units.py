@@ -12,8 +12,10 @@ import pytest
 
 import kvserve
 from kvserve.config import ConfigError
-from kvserve.config.frontend import FrontendConfig, ServeConfig
-from kvserve.config.memsvc import MemsvcConfig, resolve_shape
+from kvserve.config.frontend import FrontendConfig
+from kvserve.config.memsvc import MemsvcConfig
+from kvserve.config.serve import ServeConfig, load_serve_config
+from kvserve.memsvc.shape import resolve_shape
 from kvserve.serve.main import Supervisor
 
 PACKAGE = Path(kvserve.__file__).parent
@@ -41,7 +43,7 @@ def test_no_pickle_anywhere_in_the_package() -> None:
 
 
 def test_grpc_and_metrics_bind_loopback_by_default() -> None:
-    assert FrontendConfig().host == "127.0.0.1" and ServeConfig().host == "127.0.0.1"
+    assert FrontendConfig().host == "127.0.0.1" and ServeConfig().frontend.host == "127.0.0.1"
     assert MemsvcConfig().metrics_host == "127.0.0.1" and not MemsvcConfig().allow_remote
 
 
@@ -74,21 +76,22 @@ def test_memsvc_context_never_exceeds_the_pool() -> None:
 @pytest.mark.parametrize("flag", ["max_message_bytes", "max_new_tokens_cap", "max_concurrent_streams"])
 def test_serve_limits_are_checked(flag: str) -> None:
     with pytest.raises(ConfigError, match=f"--{flag.replace('_', '-')}: must be > 0"):
-        ServeConfig(**{flag: 0})
+        load_serve_config(env={}, flags={flag: 0})
     with pytest.raises(ConfigError, match="--max-prompt-tokens: must be >= 0"):
-        ServeConfig(max_prompt_tokens=-1)
+        load_serve_config(env={}, flags={"max_prompt_tokens": -1})
 
 
 def test_serve_passes_limits_tls_and_auth_to_the_frontend(tmp_path: Path) -> None:
-    cfg = ServeConfig(device="cpu", max_message_bytes=1000, max_prompt_tokens=7, max_new_tokens_cap=9,
-                      max_concurrent_streams=3, tls_cert="/c.pem", tls_key="/k.pem", auth_token_file="/t")
+    cfg = load_serve_config(env={}, flags=dict(
+        device="cpu", max_message_bytes=1000, max_prompt_tokens=7, max_new_tokens_cap=9,
+        max_concurrent_streams=3, tls_cert="/c.pem", tls_key="/k.pem", auth_token_file="/t", host="::1"))
     argv = Supervisor(cfg, tmp_path).by_role("frontend")[0].argv
-    flags = dict(zip(argv[4::2], argv[5::2], strict=True))
+    flags = dict(arg.split("=", 1) for arg in argv[4:])
     for flag, value in {"--max-message-bytes": "1000", "--max-prompt-tokens": "7", "--max-new-tokens-cap": "9",
                         "--max-concurrent-streams": "3", "--tls-cert": "/c.pem", "--tls-key": "/k.pem",
-                        "--auth-token-file": "/t", "--host": "127.0.0.1"}.items():
+                        "--auth-token-file": "/t", "--host": "::1"}.items():
         assert flags.get(flag) == value, (flag, argv)
-    plain = Supervisor(ServeConfig(device="cpu"), tmp_path).by_role("frontend")[0].argv
-    assert "--tls-cert" not in plain and "--auth-token-file" not in plain
+    plain = Supervisor(ServeConfig(), tmp_path).by_role("frontend")[0].argv
+    assert not any(a.startswith(("--tls-cert", "--auth-token-file")) for a in plain), plain
     with pytest.raises(ConfigError, match="--tls-cert and --tls-key must be given together"):
-        ServeConfig(tls_cert="/c.pem")
+        load_serve_config(env={}, flags={"tls_cert": "/c.pem"})

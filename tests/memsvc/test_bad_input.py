@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from kvserve.memsvc.client import Admit, Grow, MemClient, MemsvcError, Release
-from kvserve.messages.runner_memsvc import CODEC, StatsReply
+from kvserve.messages.runner_memsvc import REPLIES, StatsReply
 
 
 def raw(address: str, *frames: bytes) -> dict:
@@ -46,7 +46,7 @@ def test_bad_messages_and_items(run_dir: Path, memsvc_factory) -> None:
                 ((msgpack.packb({"type": "Bogus"}),), "unknown message type 'Bogus'"),
                 ((msgpack.packb({"type": "Step", "lease": "x"}),), "lease: expected an int"),
                 ((msgpack.packb([1, 2]),), "expected a map"),
-                ((CODEC.encode(StatsReply("x", 0, 0, 0, 0, 0, 0, 0, [], 0, 0, 0, 0, 0, 0.0)),), "is a reply"),
+                ((REPLIES.encode(StatsReply("x", 0, 0, 0, 0, 0, 0, 0, [], 0, 0, 0, 0, 0, 0.0)),), "is a reply"),
                 ((b"a", b"b"), "expected 1 frame per message, got 2"),
                 ((msgpack.packb({"type": "Step", "lease": 12345}),), "unknown lease"),
             ]

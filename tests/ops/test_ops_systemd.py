@@ -155,6 +155,7 @@ def test_example_config_loads_into_every_process_config() -> None:
     from kvserve.config.frontend import FrontendConfig
     from kvserve.config.memsvc import MemsvcConfig
     from kvserve.config.runner import RunnerConfig
+    from kvserve.config.serve import load_serve_config
 
     env = {}
     for line in (OPS / "kvserve.env").read_text().splitlines():
@@ -164,7 +165,7 @@ def test_example_config_loads_into_every_process_config() -> None:
     assert env.pop("KVSERVE_CONFIG") == "/etc/kvserve/kvserve.toml"
     sections = tomllib.loads((OPS / "kvserve.toml").read_text())
     classes = {"memsvc": MemsvcConfig, "runner": RunnerConfig, "frontend": FrontendConfig}
-    assert set(sections) == set(classes)
+    assert set(sections) == {*classes, "serve"}
     for section, cls in classes.items():
         cfg = load_config(cls, section=section, toml_path=OPS / "kvserve.toml", env=env)
         for key, value in sections[section].items():
@@ -174,6 +175,14 @@ def test_example_config_loads_into_every_process_config() -> None:
         assert any(key.removeprefix("KVSERVE_") in names for names in field_sets), key
     assert load_config(MemsvcConfig, section="memsvc", env=env).dtype == env["KVSERVE_DTYPE"]
     assert load_config(RunnerConfig, section="runner", env=env).dtype == env["KVSERVE_DTYPE"]
+    # `kvserve serve` reads the same file: every child's table, and its own [serve]
+    serve = load_serve_config(toml_path=OPS / "kvserve.toml", env=env)
+    for section in classes:
+        for key, value in sections[section].items():
+            assert getattr(getattr(serve, section), key) == value, f"serve: [{section}] {key}"
+    for key, value in sections["serve"].items():
+        assert getattr(serve, key) == value, f"[serve] {key}"
+    assert serve.memsvc.dtype == serve.runner.dtype == env["KVSERVE_DTYPE"]
 
 
 @pytest.mark.parametrize("unit", SERVICES)

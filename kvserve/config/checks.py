@@ -1,0 +1,59 @@
+"""Range and address checks shared by the process configs' ``__post_init__``.
+
+Each raises `ConfigError` naming the flag (``--metrics-port``, ``--address``, ...). Knows
+nothing about sockets: an address is only text here.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+
+from kvserve.config import ConfigError, flag_name
+
+
+def check_port(name: str, value: int, *, allow_zero: bool) -> None:
+    """`value` is a TCP port (0 allowed when it means "off" or "pick one")."""
+    low = 0 if allow_zero else 1
+    if not low <= value <= 65535:
+        raise ConfigError(f"{flag_name(name)}: {value} is not a port in {low}..65535")
+
+
+def check_positive(cfg: object, *names: str) -> None:
+    """Each named attribute of `cfg` is > 0."""
+    for name in names:
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(f"{flag_name(name)}: must be > 0, got {getattr(cfg, name)}")
+
+
+def check_at_least(cfg: object, low: int, *names: str) -> None:
+    """Each named attribute of `cfg` is >= `low` (None counts as not set)."""
+    for name in names:
+        value = getattr(cfg, name)
+        if value is not None and value < low:
+            raise ConfigError(f"{flag_name(name)}: must be >= {low}, got {value}")
+
+
+def is_loopback(host: str) -> bool:
+    """True for localhost and loopback IP literals (names other than localhost are not)."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_address(address: str, *, name: str, allow_remote: bool) -> None:
+    """Accept ipc://PATH and tcp://HOST:PORT; tcp only on loopback unless `allow_remote`
+    (the ZMQ links have no authentication). `name` is the field, for the message."""
+    flag = flag_name(name)
+    if address.startswith("ipc://"):
+        if len(address) <= len("ipc://"):
+            raise ConfigError(f"{flag}: ipc:// needs a path")
+        return
+    if not address.startswith("tcp://"):
+        raise ConfigError(f"{flag}: {address!r} must start with ipc:// or tcp://")
+    host, _, port = address[len("tcp://"):].rpartition(":")
+    host = host.strip("[]")
+    if not port.isdigit() or not host:
+        raise ConfigError(f"{flag}: {address!r} is not tcp://HOST:PORT")
+    if not allow_remote and not is_loopback(host):
+        raise ConfigError(f"{flag}: {host} is not a loopback address (use --allow-remote)")
