@@ -72,13 +72,13 @@ class Bench:
     def run(self, prompts: list[list[int]], max_new: list[int], **kw: Any) -> dict[str, Any]:
         """Generate greedily (no early stop) for every prompt at once; timings per request."""
         sched = self.scheduler(**kw)
-        rids = []
+        request_ids = []
         t0 = time.perf_counter()
         for p, m in zip(prompts, max_new, strict=True):
             self.n += 1
-            rid = f"b{self.n}"
-            rids.append(rid)
-            sched.add(GenerateReq(rid, p, SamplingParams(max_new_tokens=m, ignore_eos=True)))
+            request_id = f"b{self.n}"
+            request_ids.append(request_id)
+            sched.add(GenerateReq(request_id, p, SamplingParams(max_new_tokens=m, ignore_eos=True)))
         first: dict[str, float] = {}
         count = 0
         while sched.has_work():
@@ -86,10 +86,10 @@ class Bench:
             now = time.perf_counter()
             for o in outs:
                 count += len(o.token_ids)
-                first.setdefault(o.rid, now)
+                first.setdefault(o.request_id, now)
         wall = time.perf_counter() - t0
         return {"wall": wall, "tokens": count, "tok_s": count / wall,
-                "ttft": [first[r] - t0 for r in rids], "sched": sched}
+                "ttft": [first[r] - t0 for r in request_ids], "sched": sched}
 
 
 def ids(tok: Any, prompts: torch.Tensor) -> list[list[int]]:

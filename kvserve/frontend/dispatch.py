@@ -32,6 +32,7 @@ from kvserve.messages.frontend_runner import (
     SamplingParams,
     TokenBatch,
     TokenOut,
+    hello_protocol,
 )
 from kvserve.paths import bind_private
 from kvserve.wire import WireError
@@ -64,7 +65,7 @@ Event = TokenOut | Failure | UserAbort
 class Pending:
     """One request the frontend sent to a runner."""
 
-    rid: str
+    request_id: str
     token_ids: list[int]
     params: SamplingParams
     arrival: float
@@ -77,13 +78,13 @@ class Dispatcher:
     """Routes requests to runners and their outputs back; owns the ROUTER socket."""
 
     def __init__(self, address: str, router: Router,
-                 on_runners_changed: Callable[[int], None] = lambda n: None) -> None:
+                 on_runners_changed: Callable[[int], None] = lambda n: None,
+                 on_bad_message: Callable[[str], None] = lambda reason: None) -> None:
         self.address = address
         self.router = router
         self.pending: dict[str, Pending] = {}
-        self.malformed = 0
-        self.refused = 0  # Hellos of runners that speak another protocol version
         self._on_change = on_runners_changed
+        self._on_bad = on_bad_message  # "malformed" | "protocol"
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -104,15 +105,11 @@ class Dispatcher:
         self._sock.close(0)
         self._ctx.term()
 
-    @property
-    def live_runners(self) -> int:
-        return len(self.router.runners)
-
-    def submit(self, rid: str, token_ids: list[int], params: SamplingParams) -> Pending:
+    def submit(self, request_id: str, token_ids: list[int], params: SamplingParams) -> Pending:
         """Send a request to the least-loaded live runner; raise NoRunner when there is none."""
-        p = Pending(rid=rid, token_ids=token_ids, params=params, arrival=time.time())
+        p = Pending(request_id=request_id, token_ids=token_ids, params=params, arrival=time.time())
         self._send_to_runner(p)
-        self.pending[rid] = p
+        self.pending[request_id] = p
         return p
 
     def _send_to_runner(self, p: Pending) -> None:
@@ -120,8 +117,8 @@ class Dispatcher:
         if st is None:
             raise NoRunner("no live runner")
         p.tried.add(st.runner_id)
-        self.router.assign(p.rid, st.runner_id)
-        msg = GenerateReq(rid=p.rid, token_ids=p.token_ids, params=p.params, arrival_time=p.arrival)
+        self.router.assign(p.request_id, st.runner_id)
+        msg = GenerateReq(request_id=p.request_id, token_ids=p.token_ids, params=p.params, arrival_time=p.arrival)
         self._send(st.runner_id, DOWN.encode(msg))
 
     def _send(self, runner_id: str, frame: bytes) -> None:
@@ -130,20 +127,20 @@ class Dispatcher:
         except zmq.ZMQError as exc:  # runner gone or its queue full: liveness will notice
             log.warning("send to %s failed: %s", runner_id, exc)
 
-    def abort(self, rid: str) -> None:
-        """Tell the runner to drop `rid` (if it still runs it) and forget the request."""
-        self.pending.pop(rid, None)
-        runner_id = self.router.release(rid)
+    def abort(self, request_id: str) -> None:
+        """Tell the runner to drop `request_id` (if it still runs it) and forget the request."""
+        self.pending.pop(request_id, None)
+        runner_id = self.router.release(request_id)
         if runner_id is not None and runner_id in self.router.runners:
-            self._send(runner_id, DOWN.encode(AbortReq(rid=rid)))
+            self._send(runner_id, DOWN.encode(AbortReq(request_id=request_id)))
 
-    def finish(self, rid: str) -> None:
+    def finish(self, request_id: str) -> None:
         """Forget a request the runner has finished on its own."""
-        self.pending.pop(rid, None)
-        self.router.release(rid)
+        self.pending.pop(request_id, None)
+        self.router.release(request_id)
 
-    def user_abort(self, rid: str) -> bool:
-        p = self.pending.get(rid)
+    def user_abort(self, request_id: str) -> bool:
+        p = self.pending.get(request_id)
         if p is None:
             return False
         p.queue.put_nowait(UserAbort())
@@ -153,24 +150,31 @@ class Dispatcher:
         while True:
             frames = await self._sock.recv_multipart()
             if len(frames) != 2:
-                self.malformed += 1
+                self._on_bad("malformed")
+                log.warning("malformed message: %d frames, expected 2", len(frames))
                 continue
             try:
                 msg = UP.decode(frames[1])
             except WireError as exc:
-                self.malformed += 1
-                log.warning("malformed message from runner %r: %s", frames[0][:64], exc)
+                version = hello_protocol(frames[1])
+                if version is not None and version != PROTOCOL_VERSION:
+                    self._refuse(frames[0].decode(errors="replace"), version)
+                else:
+                    self._on_bad("malformed")
+                    log.warning("malformed message from runner %r: %s", frames[0][:64], exc)
                 continue
             self._handle(frames[0].decode(errors="replace"), msg)
+
+    def _refuse(self, runner_id: str, version: int) -> None:
+        self._on_bad("protocol")
+        log.error("runner %s refused: it speaks protocol version %d, this frontend speaks %d",
+                  runner_id, version, PROTOCOL_VERSION)
 
     def _handle(self, identity: str, msg: Hello | RunnerStatus | TokenBatch) -> None:
         now = time.monotonic()
         if isinstance(msg, Hello):
             if msg.protocol != PROTOCOL_VERSION:
-                self.refused += 1
-                log.error("runner %s (pid %d) refused: it speaks protocol version %d, this frontend "
-                          "speaks %d (%d refused so far)", msg.runner_id, msg.pid, msg.protocol,
-                          PROTOCOL_VERSION, self.refused)
+                self._refuse(msg.runner_id, msg.protocol)
                 return
             log.info("runner %s (pid %d) connected", msg.runner_id, msg.pid)
             self._fail(msg.runner_id, self.router.hello(msg, now))
@@ -179,7 +183,7 @@ class Dispatcher:
         else:
             self.router.seen(msg.runner_id, now)
             for out in msg.outputs:
-                p = self.pending.get(out.rid)
+                p = self.pending.get(out.request_id)
                 if p is not None:
                     p.streamed = True
                     p.queue.put_nowait(out)
@@ -199,9 +203,9 @@ class Dispatcher:
                 self._fail(runner_id, lost)
             self._notify()
 
-    def _fail(self, runner_id: str, rids: set[str]) -> None:
-        for rid in rids:
-            p = self.pending.get(rid)
+    def _fail(self, runner_id: str, request_ids: set[str]) -> None:
+        for request_id in request_ids:
+            p = self.pending.get(request_id)
             if p is None:
                 continue
             if not p.streamed:

@@ -41,7 +41,7 @@ class _Usage:
 class _Call:
     """One open Generate call."""
 
-    rid: str
+    request_id: str
     pending: Pending
     stream: TextStream
     usage: _Usage
@@ -90,7 +90,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                 yield response
         finally:
             if not call.done:
-                self.dispatcher.abort(call.rid)
+                self.dispatcher.abort(call.request_id)
             self.active -= 1
             if call.first:
                 self.waiting -= 1
@@ -106,10 +106,10 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             prep = prepare(request, self.tok, self.cfg, context_len)
         except InvalidArgument as exc:
             await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        rid = request.request_id or uuid.uuid4().hex
-        if rid in self.dispatcher.pending:
+        request_id = request.request_id or uuid.uuid4().hex
+        if request_id in self.dispatcher.pending:
             await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT,
-                             f"request_id: {rid!r} is already in use by a running request")
+                             f"request_id: {request_id!r} is already in use by a running request")
         if self.active >= self.cfg.max_concurrent_streams:
             await self._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
                              f"too many concurrent streams (limit {self.cfg.max_concurrent_streams})")
@@ -117,7 +117,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             await self._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
                              f"the waiting queue is full ({self.cfg.max_waiting} requests)")
         try:
-            pending = self.dispatcher.submit(rid, prep.prompt_ids, prep.params)
+            pending = self.dispatcher.submit(request_id, prep.prompt_ids, prep.params)
         except NoRunner:
             await self._fail(context, grpc.StatusCode.UNAVAILABLE, "no live runner; try again later")
         self.metrics.prompt_tokens.inc(len(prep.prompt_ids))
@@ -125,7 +125,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         self.waiting += 1
         self._gauges()
         return _Call(
-            rid=rid, pending=pending, arrival=arrival, last=arrival,
+            request_id=request_id, pending=pending, arrival=arrival, last=arrival,
             stream=TextStream.create(self.tok, prep.stops, prep.prompt_ids[-DETOK_CONTEXT:]),
             usage=_Usage(prompt=len(prep.prompt_ids)),
         )
@@ -133,15 +133,15 @@ class GeneratorService(pb_grpc.GeneratorServicer):
     async def _responses(self, call: _Call,
                          context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         """One response per runner output until the request finishes, stops or is aborted."""
-        rid, stream = call.rid, call.stream
+        request_id, stream = call.request_id, call.stream
         while True:
             event = await call.pending.queue.get()
             if isinstance(event, Failure):
                 await self._fail(context, grpc.StatusCode.UNAVAILABLE, event.message)
             if isinstance(event, UserAbort):
-                self.dispatcher.abort(rid)
+                self.dispatcher.abort(request_id)
                 call.done = True
-                yield self._final(rid, [], stream.finish(), FinishReason.ABORT, call.usage, None)
+                yield self._final(request_id, [], stream.finish(), FinishReason.ABORT, call.usage, None)
                 return
             out = event
             if out.finish_reason == FinishReason.ERROR:
@@ -150,17 +150,17 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             self._observe(call, out)
             text, stopped = stream.push(out.token_ids)
             if stopped:
-                self.dispatcher.abort(rid)
+                self.dispatcher.abort(request_id)
                 call.done = True
-                yield self._final(rid, out, text, FinishReason.STOP, call.usage, call.arrival)
+                yield self._final(request_id, out, text, FinishReason.STOP, call.usage, call.arrival)
                 return
             if out.finish_reason:
-                self.dispatcher.finish(rid)
+                self.dispatcher.finish(request_id)
                 call.done = True
-                yield self._final(rid, out, text + stream.finish(), out.finish_reason, call.usage,
+                yield self._final(request_id, out, text + stream.finish(), out.finish_reason, call.usage,
                                   call.arrival)
                 return
-            yield pb.GenerateResponse(request_id=rid, token_ids=out.token_ids, text=text,
+            yield pb.GenerateResponse(request_id=request_id, token_ids=out.token_ids, text=text,
                                       logprobs=_logprobs(out))
 
     def _observe(self, call: _Call, out: TokenOut) -> None:
@@ -180,7 +180,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         call.usage.completion += len(out.token_ids)
         self.metrics.generation_tokens.inc(len(out.token_ids))
 
-    def _final(self, rid: str, out: TokenOut | list, text: str, reason: str, usage: _Usage,
+    def _final(self, request_id: str, out: TokenOut | list, text: str, reason: str, usage: _Usage,
                arrival: float | None) -> pb.GenerateResponse:
         self.metrics.requests.labels(finish_reason=reason).inc()
         self.metrics.cached_prompt_tokens.inc(usage.cached)
@@ -189,7 +189,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         ids = out.token_ids if isinstance(out, TokenOut) else []
         lps = _logprobs(out) if isinstance(out, TokenOut) else []
         return pb.GenerateResponse(
-            request_id=rid, token_ids=ids, text=text, logprobs=lps, finish_reason=reason,
+            request_id=request_id, token_ids=ids, text=text, logprobs=lps, finish_reason=reason,
             usage=pb.Usage(prompt_tokens=usage.prompt, cached_tokens=usage.cached,
                            completion_tokens=usage.completion),
         )

@@ -117,7 +117,8 @@ async def _serve(cfg: FrontendConfig) -> int:
             loop.create_task(health_servicer.set(name, status))
         live.set() if n else live.clear()
 
-    dispatcher = Dispatcher(address, Router(timeout_s=cfg.runner_timeout_s), on_runners)
+    dispatcher = Dispatcher(address, Router(timeout_s=cfg.runner_timeout_s), on_runners,
+                            lambda reason: metrics.bad_messages.labels(reason=reason).inc())
     service = GeneratorService(cfg, tok, dispatcher, metrics)
     pb_grpc.add_GeneratorServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

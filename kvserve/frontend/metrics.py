@@ -18,6 +18,7 @@ ITL_BUCKETS: tuple[float, ...] = (
     0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
     0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
 )
+BAD_MESSAGE_REASONS = ("malformed", "protocol")
 FINISH_REASONS = ("stop", "length", "abort", "error")
 ERROR_CODES = (
     "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "UNAVAILABLE", "CANCELLED", "DEADLINE_EXCEEDED",
@@ -42,6 +43,7 @@ class FrontendMetrics:
     running: Gauge = field(init=False)
     waiting: Gauge = field(init=False)
     runners_live: Gauge = field(init=False)
+    bad_messages: Counter = field(init=False)
     info: Info = field(init=False)
 
     def __post_init__(self) -> None:
@@ -92,6 +94,13 @@ class FrontendMetrics:
         self.runners_live = Gauge(
             "kvserve_runners_live", "Runner workers currently connected and alive.", registry=r
         )
+        self.bad_messages = Counter(
+            "kvserve_frontend_bad_messages",
+            "Frames from runners dropped: malformed, or a runner of another protocol version.",
+            ["reason"], registry=r,
+        )
+        for reason in BAD_MESSAGE_REASONS:
+            self.bad_messages.labels(reason=reason)
         self.info = Info("kvserve_frontend", "Frontend build and configuration.", registry=r)
 
     def set_info(self, **labels: object) -> None:

@@ -20,7 +20,6 @@ class RunnerState:
 
     runner_id: str
     pid: int
-    max_running: int
     max_context_len: int
     last_seen: float
     running: int = 0
@@ -41,10 +40,10 @@ class Router:
     timeout_s: float = RUNNER_TIMEOUT_S
     is_alive: Callable[[int], bool] = pid_alive
     runners: dict[str, RunnerState] = field(default_factory=dict)
-    owner: dict[str, str] = field(default_factory=dict)  # rid -> runner_id
+    owner: dict[str, str] = field(default_factory=dict)  # request_id -> runner_id
 
     def hello(self, msg: Hello, now: float) -> set[str]:
-        """Register (or re-register) a runner; return rids lost if it is a new incarnation."""
+        """Register (or re-register) a runner; return request_ids lost if it is a new incarnation."""
         old = self.runners.get(msg.runner_id)
         lost: set[str] = set()
         if old is not None and old.pid != msg.pid:
@@ -53,8 +52,7 @@ class Router:
             old.last_seen = now
             return lost
         self.runners[msg.runner_id] = RunnerState(
-            runner_id=msg.runner_id, pid=msg.pid, max_running=msg.max_running,
-            max_context_len=msg.max_context_len, last_seen=now,
+            runner_id=msg.runner_id, pid=msg.pid, max_context_len=msg.max_context_len, last_seen=now,
         )
         return lost
 
@@ -74,17 +72,17 @@ class Router:
             st.last_seen = now
 
     def reap(self, now: float) -> dict[str, set[str]]:
-        """Remove runners silent for `timeout_s` or whose pid is gone; return {runner_id: lost rids}."""
+        """Remove runners silent for `timeout_s` or whose pid is gone; return {runner_id: lost request_ids}."""
         dead = [
-            rid for rid, st in self.runners.items()
+            runner_id for runner_id, st in self.runners.items()
             if now - st.last_seen > self.timeout_s or not self.is_alive(st.pid)
         ]
-        return {rid: self._drop(rid) for rid in dead}
+        return {runner_id: self._drop(runner_id) for runner_id in dead}
 
     def _drop(self, runner_id: str) -> set[str]:
         st = self.runners.pop(runner_id)
-        for rid in st.inflight:
-            self.owner.pop(rid, None)
+        for request_id in st.inflight:
+            self.owner.pop(request_id, None)
         return set(st.inflight)
 
     def live(self) -> list[RunnerState]:
@@ -97,15 +95,15 @@ class Router:
             return None
         return min(cands, key=lambda st: (not st.memsvc_ok, *st.load(), st.runner_id))
 
-    def assign(self, rid: str, runner_id: str) -> None:
-        self.runners[runner_id].inflight.add(rid)
-        self.owner[rid] = runner_id
+    def assign(self, request_id: str, runner_id: str) -> None:
+        self.runners[runner_id].inflight.add(request_id)
+        self.owner[request_id] = runner_id
 
-    def release(self, rid: str) -> str | None:
+    def release(self, request_id: str) -> str | None:
         """Forget a finished request; return the runner that ran it (if still known)."""
-        runner_id = self.owner.pop(rid, None)
+        runner_id = self.owner.pop(request_id, None)
         if runner_id is not None and runner_id in self.runners:
-            self.runners[runner_id].inflight.discard(rid)
+            self.runners[runner_id].inflight.discard(request_id)
         return runner_id
 
     def context_len(self, default: int) -> int:

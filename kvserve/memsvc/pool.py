@@ -39,7 +39,7 @@ class Row:
     """One admitted request. slots[:cached_len] belong to the tree, the rest to the row."""
 
     lease: int
-    rid: int
+    request_id: int
     row: int
     slots: np.ndarray
     cached_len: int
@@ -76,10 +76,10 @@ class Pool:
     def _round(self, n: int) -> int:
         return -(-n // self.page_size) * self.page_size
 
-    def _get(self, lease: int, rid: int, what: str) -> Row:
-        row = self.rows.get((lease, rid))
+    def _get(self, lease: int, request_id: int, what: str) -> Row:
+        row = self.rows.get((lease, request_id))
         if row is None:
-            raise ItemError(f"{what} rid {rid}: not held by this lease (never admitted or already released)")
+            raise ItemError(f"{what} request_id {request_id}: not held by this lease (never admitted or already released)")
         return row
 
     def _alloc(self, n: int) -> np.ndarray | None:
@@ -99,9 +99,9 @@ class Pool:
     # ---- step operations ------------------------------------------------------
     def admit(self, lease: int, item: Admit) -> AdmitResult:
         """Match and lock the prefix, allocate the rest, write the row."""
-        what = f"admit rid {item.rid}"
-        if (lease, item.rid) in self.rows:
-            raise ItemError(f"{what}: rid already admitted in this lease")
+        what = f"admit request_id {item.request_id}"
+        if (lease, item.request_id) in self.rows:
+            raise ItemError(f"{what}: request_id already admitted in this lease")
         tokens = _tokens(item.token_ids, what)
         if len(tokens) == 0:
             raise ItemError(f"{what}: empty token_ids")
@@ -111,7 +111,7 @@ class Pool:
         if item.max_new_tokens < 0:
             raise ItemError(f"{what}: max_new_tokens {item.max_new_tokens} is negative")
         if not self._free_rows:
-            return AdmitResult(item.rid, False, reason=REASON_EXHAUSTED)
+            return AdmitResult(item.request_id, False, reason=REASON_EXHAUSTED)
         cap = self.policy.admit_capacity(len(tokens), item.max_new_tokens)
         cap = self._round(min(max(cap, len(tokens)), self.max_context_len))
         match = self.tree.match_prefix(tokens[:-1], count=True)
@@ -120,31 +120,31 @@ class Pool:
         fresh = self._alloc(cap - cached)
         if fresh is None:
             self.tree.unlock(match.node)
-            return AdmitResult(item.rid, False, reason=REASON_EXHAUSTED)
+            return AdmitResult(item.request_id, False, reason=REASON_EXHAUSTED)
         row_id = self._free_rows.pop()
         slots = np.concatenate([match.slots, fresh])
         self._write_row(row_id, 0, slots)
-        self.rows[(lease, item.rid)] = Row(lease, item.rid, row_id, slots, cached, match.node,
+        self.rows[(lease, item.request_id)] = Row(lease, item.request_id, row_id, slots, cached, match.node,
                                            tokens[:cached].copy())
         self._request_slots += len(fresh)
-        return AdmitResult(item.rid, True, row=row_id, cached_len=cached, capacity=cap)
+        return AdmitResult(item.request_id, True, row=row_id, cached_len=cached, capacity=cap)
 
     def grow(self, lease: int, item: Grow) -> GrowResult:
         """Make the row hold at least item.capacity slots."""
-        row = self._get(lease, item.rid, "grow")
+        row = self._get(lease, item.request_id, "grow")
         if item.capacity > self.max_context_len:
-            raise ItemError(f"grow rid {item.rid}: capacity {item.capacity} exceeds "
+            raise ItemError(f"grow request_id {item.request_id}: capacity {item.capacity} exceeds "
                             f"max_context_len {self.max_context_len}")
         have = len(row.slots)
         if item.capacity <= have:
-            return GrowResult(item.rid, True, capacity=have)
+            return GrowResult(item.request_id, True, capacity=have)
         fresh = self._alloc(self._round(item.capacity) - have)
         if fresh is None:
-            return GrowResult(item.rid, False, capacity=have, reason=REASON_EXHAUSTED)
+            return GrowResult(item.request_id, False, capacity=have, reason=REASON_EXHAUSTED)
         self._write_row(row.row, have, fresh)
         row.slots = np.concatenate([row.slots, fresh])
         self._request_slots += len(fresh)
-        return GrowResult(item.rid, True, capacity=len(row.slots))
+        return GrowResult(item.request_id, True, capacity=len(row.slots))
 
     def _check_commit(self, row: Row, tokens: np.ndarray, what: str) -> None:
         if len(tokens) > len(row.slots):
@@ -171,16 +171,16 @@ class Pool:
 
     def commit(self, lease: int, item: Commit) -> None:
         """Insert the computed KV of positions [0, len(token_ids)) into the prefix cache."""
-        what = f"commit rid {item.rid}"
-        row = self._get(lease, item.rid, "commit")
+        what = f"commit request_id {item.request_id}"
+        row = self._get(lease, item.request_id, "commit")
         tokens = _tokens(item.token_ids, what)
         self._check_commit(row, tokens, what)
         self._commit(row, tokens)
 
     def release(self, lease: int, item: Release) -> None:
         """Optional final commit, then unlock and free the row and its private slots."""
-        what = f"release rid {item.rid}"
-        row = self._get(lease, item.rid, "release")
+        what = f"release request_id {item.request_id}"
+        row = self._get(lease, item.request_id, "release")
         if item.token_ids is not None:
             tokens = _tokens(item.token_ids, what)
             self._check_commit(row, tokens, what)
@@ -193,7 +193,7 @@ class Pool:
         self.allocator.free(private)
         self._request_slots -= len(private)
         self._free_rows.append(row.row)
-        del self.rows[(row.lease, row.rid)]
+        del self.rows[(row.lease, row.request_id)]
 
     def drop_lease(self, lease: int) -> int:
         """Free every row of `lease` without committing anything; returns the row count."""

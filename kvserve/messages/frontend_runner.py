@@ -11,7 +11,9 @@ carrying the new tokens of every request in the batch).
 Token ids only cross this link; text (tokenize, detokenize, stop strings) stays in the
 frontend. `DOWN` decodes what a runner receives, `UP` what the frontend receives (shape:
 `kvserve.wire`). A change of shape bumps `PROTOCOL_VERSION`, which `Hello` carries; the
-frontend ignores a runner of another version.
+frontend ignores a runner of another version (version 2: request ids are `request_id`,
+`Hello` lost `model` and `max_running`, `TokenOut` lost `prompt_tokens` and
+`completion_tokens`: nothing read them).
 """
 
 from __future__ import annotations
@@ -25,8 +27,21 @@ STATUS_INTERVAL_S = 0.25
 `RUNNER_TIMEOUT_S` of silence (or at once when its local pid is gone)."""
 RUNNER_TIMEOUT_S = 1.5
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """The shape of this link's messages; `Hello.protocol` carries the runner's."""
+
+
+def hello_protocol(frame: bytes) -> int | None:
+    """The protocol version a `Hello` frame of any version says it speaks (None: the frame
+    is not a Hello), so that a runner of another version is refused by name."""
+    try:
+        raw = msgspec.msgpack.decode(frame)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    if not isinstance(raw, dict) or raw.get("type") != "Hello":
+        return None
+    version = raw.get("protocol", 1)  # version 1 runners sent it too; absent means 1
+    return version if type(version) is int else None
 
 
 class FinishReason:
@@ -56,21 +71,19 @@ class SamplingParams(Item, frozen=True, gc=False):
 
 
 class GenerateReq(Message, frozen=True, gc=False):
-    rid: str
+    request_id: str
     token_ids: list[int]
     params: SamplingParams
     arrival_time: float = 0.0  # time.time() at the frontend, for queue-time metrics
 
 
 class AbortReq(Message, frozen=True, gc=False):
-    rid: str
+    request_id: str
 
 
 class Hello(Message, frozen=True):
     runner_id: str
     pid: int
-    model: str
-    max_running: int
     max_context_len: int
     protocol: int = PROTOCOL_VERSION
 
@@ -94,13 +107,11 @@ class TokenLogprob(Item, frozen=True, gc=False):
 class TokenOut(Item, frozen=True, gc=False):
     """New output of one request in one step."""
 
-    rid: str
+    request_id: str
     token_ids: list[int]
     logprobs: list[TokenLogprob] = msgspec.field(default_factory=list)
     finish_reason: str = ""
-    prompt_tokens: int = 0
     cached_tokens: int = 0
-    completion_tokens: int = 0
     queue_time: float = 0.0  # seconds from arrival to first scheduling (first TokenOut only)
     error: str = ""
 

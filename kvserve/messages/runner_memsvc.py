@@ -91,7 +91,7 @@ class AttachReply(Message):
 class Admit(Item, gc=False):
     """Match the cached prefix of token_ids[:-1], lock it, allocate the rest, write the row."""
 
-    rid: int
+    request_id: int
     token_ids: list[int]
     max_new_tokens: int
 
@@ -99,26 +99,26 @@ class Admit(Item, gc=False):
 class Grow(Item, gc=False):
     """Make the request's row hold at least `capacity` slots."""
 
-    rid: int
+    request_id: int
     capacity: int
 
 
 class Commit(Item, gc=False):
     """KV of positions [0, len(token_ids)) is written: insert it into the prefix cache."""
 
-    rid: int
+    request_id: int
     token_ids: list[int]
 
 
 class Release(Item, gc=False):
     """Optional final commit, then unlock and free everything the request holds."""
 
-    rid: int
+    request_id: int
     token_ids: list[int] | None = None
 
 
 class AdmitResult(Item, gc=False):
-    rid: int
+    request_id: int
     ok: bool
     row: int = -1
     cached_len: int = 0
@@ -127,7 +127,7 @@ class AdmitResult(Item, gc=False):
 
 
 class GrowResult(Item, gc=False):
-    rid: int
+    request_id: int
     ok: bool
     capacity: int = 0
     reason: str = ""

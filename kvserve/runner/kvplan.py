@@ -60,7 +60,7 @@ class KVPlanner:
         self.commits: dict[int, Commit] = {}
         self.releases: list[Release] = []
         self.num_preemptions = 0
-        self._next_mem_rid = 1
+        self._next_mem_id = 1
         self._admit_seq = 0
         self._admit_retry_at = 0.0
 
@@ -84,7 +84,7 @@ class KVPlanner:
                 continue
             need = req.computed + n
             if need > req.capacity:
-                step.grows.append(Grow(req.mem_rid, self._grow_target(req, need)))
+                step.grows.append(Grow(req.mem_id, self._grow_target(req, need)))
             step.work.append((req, n))
             budget -= n
         room = self.max_running - len(table.running)
@@ -93,7 +93,7 @@ class KVPlanner:
         while table.waiting and budget > 0 and room > 0:
             req = table.waiting.popleft()
             n = req.next_extend(self.chunk_size, budget)
-            req.mem_rid, self._next_mem_rid = self._next_mem_rid, self._next_mem_rid + 1
+            req.mem_id, self._next_mem_id = self._next_mem_id, self._next_mem_id + 1
             step.admitting.append((req, n))
             budget -= n
             room -= 1
@@ -109,23 +109,23 @@ class KVPlanner:
     def _top_up(self, step: StepPlan) -> None:
         """A message goes to memsvc anyway: also grow the rows that would need it soon, so
         that the following decode steps need no message."""
-        growing = {g.rid for g in step.grows}
+        growing = {g.request_id for g in step.grows}
         soon = self.layout.grow_chunk // 2
         for req, n in step.work:
             need = req.computed + n
-            if req.mem_rid not in growing and req.capacity < req.max_tokens and req.capacity - need < soon:
-                step.grows.append(Grow(req.mem_rid, self._grow_target(req, need)))
+            if req.mem_id not in growing and req.capacity < req.max_tokens and req.capacity - need < soon:
+                step.grows.append(Grow(req.mem_id, self._grow_target(req, need)))
 
     # ---- commits and releases ----------------------------------------------------------
     def commit(self, req: Request) -> None:
         """req's prompt KV is computed: insert it into the prefix cache with the next step."""
-        self.commits[req.mem_rid] = Commit(req.mem_rid, req.tokens[: req.computed])
+        self.commits[req.mem_id] = Commit(req.mem_id, req.tokens[: req.computed])
 
     def release(self, req: Request, *, keep_kv: bool) -> None:
         """Queue the release of req's row (committing its computed KV when `keep_kv`)."""
-        self.commits.pop(req.mem_rid, None)
+        self.commits.pop(req.mem_id, None)
         tokens = req.tokens[: req.computed] if keep_kv and req.computed > 0 else None
-        self.releases.append(Release(req.mem_rid, tokens))
+        self.releases.append(Release(req.mem_id, tokens))
         req.unbind()
 
     # ---- the round trip ----------------------------------------------------------------
@@ -133,7 +133,7 @@ class KVPlanner:
         """Send the step message and apply the reply; on a memsvc error the admissions go
         back to the head of the queue and the error propagates."""
         self._top_up(step)
-        admits = [Admit(r.mem_rid, list(r.tokens), r.params.max_new_tokens - r.num_output)
+        admits = [Admit(r.mem_id, list(r.tokens), r.params.max_new_tokens - r.num_output)
                   for r, _ in step.admitting]
         t0 = time.perf_counter()
         try:
@@ -142,18 +142,18 @@ class KVPlanner:
         except BaseException:
             table.requeue_front([r for r, _ in step.admitting])
             for r, _ in step.admitting:
-                r.mem_rid = -1
+                r.mem_id = -1
             raise
         self.forget()
         if self.metrics is not None:
             self.metrics.memsvc_calls.inc()
             self.metrics.step_seconds.labels(phase="memsvc").observe(time.perf_counter() - t0)
         failed = self._admitted(step, reply, table, now)
-        refused = {g.rid for g in reply.grown if not g.ok}
-        grown = {g.rid: g.capacity for g in reply.grown if g.ok}
+        refused = {g.request_id for g in reply.grown if not g.ok}
+        grown = {g.request_id: g.capacity for g in reply.grown if g.ok}
         for req, _ in step.work:
-            if req.mem_rid in grown:
-                req.capacity = max(req.capacity, grown[req.mem_rid])
+            if req.mem_id in grown:
+                req.capacity = max(req.capacity, grown[req.mem_id])
         work = self._preempt(step.work, table, len(refused)) if refused else step.work
         return Exchange(work=work, failed=failed)
 
@@ -161,13 +161,13 @@ class KVPlanner:
                   now: float) -> list[tuple[Request, str]]:
         """Start the admitted requests (appended to the step's work), requeue those the
         exhausted pool refused; return the ones refused for another reason."""
-        results = {a.rid: a for a in reply.admitted}
+        results = {a.request_id: a for a in reply.admitted}
         blocked: list[Request] = []
         failed: list[tuple[Request, str]] = []
         for req, n in step.admitting:
-            res = results.get(req.mem_rid)
+            res = results.get(req.mem_id)
             if res is not None and not res.ok and res.reason == REASON_EXHAUSTED:
-                req.mem_rid = -1
+                req.mem_id = -1
                 blocked.append(req)
                 continue
             if res is None or not res.ok:

@@ -70,7 +70,6 @@ class Worker:
         self._ctx = zmq.Context()
         self._sock: zmq.Socket | None = None
         self._status_thread: threading.Thread | None = None
-        self.bad_frames = 0
         self._next_attach = 0.0
         self.memsvc_address = cfg.memsvc_address or ipc_address(MEMSVC_SOCKET, cfg.runtime_dir or None)
         self.frontend_address = cfg.frontend_address or ipc_address(FRONTEND_SOCKET, cfg.runtime_dir or None)
@@ -165,8 +164,8 @@ class Worker:
 
     def _hello(self) -> None:
         layout = self.mem.layout
-        self._send(Hello(runner_id=self.cfg.runner_id, pid=os.getpid(), model=self.loaded.name,
-                         max_running=self.cfg.max_running, max_context_len=layout.max_context_len))
+        self._send(Hello(runner_id=self.cfg.runner_id, pid=os.getpid(),
+                         max_context_len=layout.max_context_len))
 
     def _status(self) -> RunnerStatus:
         s, mem = self.sched, self.mem
@@ -193,13 +192,13 @@ class Worker:
             try:
                 msg = DOWN.decode(frame)
             except WireError as exc:
-                self.bad_frames += 1
+                self.metrics.bad_messages.inc()
                 log.warning("bad frame from the frontend: %s", exc)
                 continue
             if isinstance(msg, GenerateReq):
                 self.sched.add(msg)
             elif isinstance(msg, AbortReq):
-                self.sched.abort(msg.rid)
+                self.sched.abort(msg.request_id)
 
     # ---- the loop ----------------------------------------------------------------------
     def run(self) -> int:
@@ -273,7 +272,7 @@ class Worker:
         from kvserve.runner.scheduler import failed_output
 
         return self.sched.fail_running("runner shutting down") + [
-            failed_output(r.rid, "runner shutting down") for r in list(self.sched.table)
+            failed_output(r.request_id, "runner shutting down") for r in list(self.sched.table)
         ]
 
     def stop(self, *_: Any) -> None:

@@ -27,6 +27,7 @@ class RunnerMetrics:
     batch_size: Gauge = field(init=False)
     preemptions: Counter = field(init=False)
     memsvc_calls: Counter = field(init=False)
+    bad_messages: Counter = field(init=False)
     info: Info = field(init=False)
 
     def __post_init__(self) -> None:
@@ -46,6 +47,9 @@ class RunnerMetrics:
         )
         self.memsvc_calls = Counter(
             "kvserve_runner_memsvc_calls", "Step round trips from this runner to memsvc.", registry=r
+        )
+        self.bad_messages = Counter(
+            "kvserve_runner_bad_messages", "Malformed frames from the frontend, dropped.", registry=r
         )
         self.info = Info("kvserve_runner", "Runner build and configuration.", registry=r)
         for phase in RUNNER_PHASES:

@@ -28,7 +28,7 @@ class State(enum.Enum):
 class Request:
     """One generation request inside the scheduler."""
 
-    rid: str
+    request_id: str
     prompt_len: int
     tokens: list[int]
     params: SamplingParams
@@ -37,7 +37,7 @@ class Request:
     max_tokens: int  # len(tokens) at which the request ends ("length")
     sample_row: SampleRow
     state: State = State.WAITING
-    mem_rid: int = -1
+    mem_id: int = -1
     row: int = -1
     capacity: int = 0
     computed: int = 0
@@ -58,7 +58,7 @@ class Request:
 
     def unbind(self) -> None:
         """Forget the memsvc row (after release or preemption)."""
-        self.mem_rid, self.row, self.capacity, self.computed = -1, -1, 0, 0
+        self.mem_id, self.row, self.capacity, self.computed = -1, -1, 0, 0
         self.committed = True
 
 
@@ -70,14 +70,14 @@ class RequestTable:
     waiting: deque[Request] = field(default_factory=deque)
     running: list[Request] = field(default_factory=list)
 
-    def __contains__(self, rid: str) -> bool:
-        return rid in self.by_rid
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.by_rid
 
     def __len__(self) -> int:
         return len(self.by_rid)
 
     def add(self, req: Request) -> None:
-        self.by_rid[req.rid] = req
+        self.by_rid[req.request_id] = req
         self.waiting.append(req)
 
     def start(self, req: Request) -> None:
@@ -100,7 +100,7 @@ class RequestTable:
         elif req.state is State.WAITING:
             self.waiting.remove(req)
         req.state = State.FINISHED
-        self.by_rid.pop(req.rid, None)
+        self.by_rid.pop(req.request_id, None)
 
     def __iter__(self) -> Iterator[Request]:
         return iter(list(self.by_rid.values()))

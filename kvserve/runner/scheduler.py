@@ -35,9 +35,9 @@ from kvserve.runner.sampling import (
 )
 
 
-def failed_output(rid: str, error: str) -> TokenOut:
+def failed_output(request_id: str, error: str) -> TokenOut:
     """The final output of a request that fails before it produced anything."""
-    return TokenOut(rid=rid, token_ids=[], finish_reason=FinishReason.ERROR, error=error)
+    return TokenOut(request_id=request_id, token_ids=[], finish_reason=FinishReason.ERROR, error=error)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +98,7 @@ class Scheduler:
         p = msg.params
         error = self._validate(msg)
         if error:
-            self._outbox.append(failed_output(msg.rid, error))
+            self._outbox.append(failed_output(msg.request_id, error))
             return
         stop = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_ids))
         row = SampleRow(p)
@@ -108,7 +108,7 @@ class Scheduler:
             row.penalties = PenaltyState.create(msg.token_ids, self.vocab_size, self.device)
         n = len(msg.token_ids)
         req = Request(
-            rid=msg.rid, prompt_len=n, tokens=list(msg.token_ids), params=p,
+            request_id=msg.request_id, prompt_len=n, tokens=list(msg.token_ids), params=p,
             arrival=msg.arrival_time if msg.arrival_time > 0 else self.clock(),
             stop_ids=frozenset(stop), max_tokens=min(n + p.max_new_tokens, self.max_context_len),
             sample_row=row,
@@ -117,8 +117,8 @@ class Scheduler:
 
     def _validate(self, msg: GenerateReq) -> str:
         n = len(msg.token_ids)
-        if msg.rid in self.table:
-            return f"rid {msg.rid!r} is already in use on this runner"
+        if msg.request_id in self.table:
+            return f"request_id {msg.request_id!r} is already in use on this runner"
         if n == 0:
             return "token_ids: the prompt is empty"
         if n >= self.max_context_len:
@@ -129,9 +129,9 @@ class Scheduler:
             return "max_new_tokens: must be >= 1"
         return ""
 
-    def abort(self, rid: str) -> None:
-        """Abort `rid` at the start of the next step (unknown rids are ignored)."""
-        self._aborts.append(rid)
+    def abort(self, request_id: str) -> None:
+        """Abort `request_id` at the start of the next step (unknown request_ids are ignored)."""
+        self._aborts.append(request_id)
 
     # ---- state -------------------------------------------------------------------------
     @property
@@ -159,7 +159,7 @@ class Scheduler:
             done = self.kv.exchange(plan, self.mem, self.table, now)
             work = done.work
             for req, error in done.failed:
-                self.table.by_rid.pop(req.rid, None)  # already off the waiting queue
+                self.table.by_rid.pop(req.request_id, None)  # already off the waiting queue
                 req.state = State.FINISHED
                 out.append(self._final(req, FinishReason.ERROR, error=error))
         if work:
@@ -171,8 +171,8 @@ class Scheduler:
         return self.kv.num_preemptions
 
     def _apply_aborts(self, out: list[TokenOut]) -> None:
-        for rid in self._aborts:
-            req = self.table.by_rid.get(rid)
+        for request_id in self._aborts:
+            req = self.table.by_rid.get(request_id)
             if req is None:
                 continue
             if req.state is State.RUNNING:
@@ -223,9 +223,9 @@ class Scheduler:
         elif len(req.tokens) >= req.max_tokens:
             reason = FinishReason.LENGTH
         out = TokenOut(
-            rid=req.rid, token_ids=[tok], logprobs=[lp] if lp is not None else [],
-            finish_reason=reason, prompt_tokens=req.prompt_len, cached_tokens=max(req.cached_tokens, 0),
-            completion_tokens=req.num_output, queue_time=0.0 if req.first_sent else req.queue_time,
+            request_id=req.request_id, token_ids=[tok], logprobs=[lp] if lp is not None else [],
+            finish_reason=reason, cached_tokens=max(req.cached_tokens, 0),
+            queue_time=0.0 if req.first_sent else req.queue_time,
         )
         req.first_sent = True
         if reason:
@@ -235,8 +235,8 @@ class Scheduler:
 
     def _final(self, req: Request, reason: str, error: str = "") -> TokenOut:
         return TokenOut(
-            rid=req.rid, token_ids=[], finish_reason=reason, prompt_tokens=req.prompt_len,
-            cached_tokens=max(req.cached_tokens, 0), completion_tokens=req.num_output,
+            request_id=req.request_id, token_ids=[], finish_reason=reason,
+            cached_tokens=max(req.cached_tokens, 0),
             queue_time=0.0 if req.first_sent or req.queue_time < 0 else req.queue_time, error=error,
         )
 
@@ -258,10 +258,10 @@ class Scheduler:
         """Outputs that need no memsvc (errors, aborts of waiting requests), while detached."""
         out, self._outbox = self._outbox, []
         keep = []
-        for rid in self._aborts:
-            req = self.table.by_rid.get(rid)
+        for request_id in self._aborts:
+            req = self.table.by_rid.get(request_id)
             if req is not None and req.state is State.RUNNING:
-                keep.append(rid)
+                keep.append(request_id)
         self._aborts = [r for r in self._aborts if r not in keep]
         self._apply_aborts(out)
         self._aborts = keep

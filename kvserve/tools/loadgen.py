@@ -44,7 +44,7 @@ class LoadResult:
         return self.requests / self.elapsed_s if self.elapsed_s else 0.0
 
 
-def random_request(rng: random.Random, rid: str, max_new: int = 40) -> pb.GenerateRequest:
+def random_request(rng: random.Random, request_id: str, max_new: int = 40) -> pb.GenerateRequest:
     """A valid request with random text (bytes of several UTF-8 widths) and sampling."""
     s = pb.SamplingParams(max_new_tokens=rng.randint(1, max_new), ignore_eos=rng.random() < 0.5)
     if rng.random() < 0.6:
@@ -58,12 +58,12 @@ def random_request(rng: random.Random, rid: str, max_new: int = 40) -> pb.Genera
     text = "".join(rng.choice(ALPHABET) for _ in range(rng.randint(1, 120)))
     if rng.random() < 0.2:
         text = SHARED_PREFIX + text
-    return pb.GenerateRequest(text=text, sampling=s, request_id=rid)
+    return pb.GenerateRequest(text=text, sampling=s, request_id=request_id)
 
 
-def _one(stub: pb_grpc.GeneratorStub, rng: random.Random, rid: str, max_new: int) -> tuple[str, str]:
+def _one(stub: pb_grpc.GeneratorStub, rng: random.Random, request_id: str, max_new: int) -> tuple[str, str]:
     """Run one request with a random action; returns (key, problem or "")."""
-    req = random_request(rng, rid, max_new)
+    req = random_request(rng, request_id, max_new)
     action = rng.choice(ACTIONS)
     timeout = rng.uniform(0.05, 0.6) if action == "deadline" else 120.0
     call = stub.Generate(req, timeout=timeout)
@@ -78,7 +78,7 @@ def _one(stub: pb_grpc.GeneratorStub, rng: random.Random, rid: str, max_new: int
             if got == stop_after and action == "cancel":
                 call.cancel()
             if got == stop_after and action == "abort":
-                stub.Abort(pb.AbortRequest(request_id=rid), timeout=10)
+                stub.Abort(pb.AbortRequest(request_id=request_id), timeout=10)
         return f"{action}:OK", ""
     except grpc.RpcError as exc:
         problem = "" if exc.code() in EXPECTED else f"{exc.code().name}: {exc.details()}"

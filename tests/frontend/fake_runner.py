@@ -64,7 +64,7 @@ class FakeRunner:
 
     def aborts(self) -> list[str]:
         with self._lock:
-            return [m.rid for m in self.received if isinstance(m, AbortReq)]
+            return [m.request_id for m in self.received if isinstance(m, AbortReq)]
 
     def wait_for(self, predicate, timeout: float = 5.0) -> bool:
         end = time.monotonic() + timeout
@@ -90,8 +90,8 @@ class FakeRunner:
         sock.setsockopt(zmq.IDENTITY, self.runner_id.encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.address)
-        sock.send(UP.encode(Hello(runner_id=self.runner_id, pid=self.pid, model="fake",
-                                  max_running=64, max_context_len=self.max_context_len)))
+        sock.send(UP.encode(Hello(runner_id=self.runner_id, pid=self.pid,
+                                  max_context_len=self.max_context_len)))
         last_status = 0.0
         next_step = time.monotonic()
         try:
@@ -101,9 +101,9 @@ class FakeRunner:
                     with self._lock:
                         self.received.append(msg)
                         if isinstance(msg, GenerateReq):
-                            self._running[msg.rid] = _Req(msg)
+                            self._running[msg.request_id] = _Req(msg)
                         else:
-                            self._running.pop(msg.rid, None)
+                            self._running.pop(msg.request_id, None)
                 now = time.monotonic()
                 if now - last_status > 0.1:
                     with self._lock:
@@ -126,7 +126,7 @@ class FakeRunner:
         data = self.reply.encode()
         outs = []
         with self._lock:
-            for rid, r in list(self._running.items()):
+            for request_id, r in list(self._running.items()):
                 p = r.req.params
                 tok = data[r.produced] if r.produced < len(data) else EOS
                 r.produced += 1
@@ -137,10 +137,8 @@ class FakeRunner:
                     reason = FinishReason.STOP
                 elif r.produced >= p.max_new_tokens:
                     reason = FinishReason.LENGTH
-                outs.append(TokenOut(rid=rid, token_ids=[tok], finish_reason=reason,
-                                     prompt_tokens=len(r.req.token_ids), cached_tokens=2,
-                                     completion_tokens=r.produced,
+                outs.append(TokenOut(request_id=request_id, token_ids=[tok], finish_reason=reason, cached_tokens=2,
                                      queue_time=0.001 if r.produced == 1 else 0.0))
                 if reason:
-                    del self._running[rid]
+                    del self._running[request_id]
         return outs

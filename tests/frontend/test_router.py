@@ -6,8 +6,8 @@ from kvserve.frontend.router import Router
 from kvserve.messages.frontend_runner import Hello, RunnerStatus
 
 
-def _hello(rid: str, pid: int = 10) -> Hello:
-    return Hello(runner_id=rid, pid=pid, model="m", max_running=8, max_context_len=100)
+def _hello(runner_id: str, pid: int = 10) -> Hello:
+    return Hello(runner_id=runner_id, pid=pid, max_context_len=100)
 
 
 def test_picks_least_loaded_and_counts_inflight() -> None:

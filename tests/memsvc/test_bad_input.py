@@ -54,16 +54,16 @@ def test_bad_messages_and_items(run_dir: Path, memsvc_factory) -> None:
                 reply = raw(svc.address, *frames)
                 assert reply["type"] == "ErrorReply" and text in reply["error"], (text, reply)
 
-            r = b.step(release=[Release(1)])  # a's rid, not b's
-            assert "release rid 1: not held by this lease" in r.errors[0]
+            r = b.step(release=[Release(1)])  # a's request_id, not b's
+            assert "release request_id 1: not held by this lease" in r.errors[0]
             r = a.step(grow=[Grow(99, 10)])
-            assert "grow rid 99: not held" in r.errors[0]
+            assert "grow request_id 99: not held" in r.errors[0]
             r = a.step(admit=[Admit(2, list(range(65)), 1)])
             assert "prompt of 65 tokens is longer than max_context_len 64" in r.errors[0]
             r = a.step(grow=[Grow(1, 1000)])
             assert "capacity 1000 exceeds max_context_len 64" in r.errors[0]
             r = a.step(admit=[Admit(1, [1], 1)])
-            assert "rid already admitted" in r.errors[0]
+            assert "request_id already admitted" in r.errors[0]
             r = a.step(admit=[Admit(3, [1, -2], 1)])
             assert "negative token id" in r.errors[0]
             with pytest.raises(MemsvcError, match="layout mismatch: head_dim 16 != pool's 8"):
@@ -77,7 +77,7 @@ def test_bad_messages_and_items(run_dir: Path, memsvc_factory) -> None:
 
             a.step(release=[Release(1)])
             r = a.step(release=[Release(1)])  # double release
-            assert "release rid 1: not held" in r.errors[0]
+            assert "release request_id 1: not held" in r.errors[0]
             ok = a.step(admit=[Admit(4, [5, 6, 7, 8], 2)])  # still serving
             assert ok.admitted[0].ok and not ok.errors
             assert 'kvserve_memsvc_bad_messages_total' in svc.metrics()

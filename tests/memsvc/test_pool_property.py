@@ -24,7 +24,7 @@ SIZE, MAX_CTX = 48, 24
 @dataclass
 class Req:
     lease: int
-    rid: int
+    request_id: int
     row: int
     tokens: list[int]
     computed: int
@@ -68,7 +68,7 @@ def test_random_sequences_keep_invariants(ops: list[tuple[int, int]], page_size:
         elif op == 1 and reqs:  # decode one token (grow first when full)
             req = rng.choice(reqs)
             if req.computed >= req.capacity and req.capacity < MAX_CTX:
-                g = pool.grow(req.lease, Grow(req.rid, req.capacity + 1))
+                g = pool.grow(req.lease, Grow(req.request_id, req.capacity + 1))
                 req.capacity = g.capacity
             if req.computed < req.capacity:
                 req.tokens.append(rng.randint(1, 4))
@@ -76,11 +76,11 @@ def test_random_sequences_keep_invariants(ops: list[tuple[int, int]], page_size:
                 req.computed += 1
         elif op == 2 and reqs:  # commit
             req = rng.choice(reqs)
-            pool.commit(req.lease, Commit(req.rid, req.tokens[: req.computed]))
+            pool.commit(req.lease, Commit(req.request_id, req.tokens[: req.computed]))
         elif op == 3 and reqs:  # release, with or without a final commit
             req = reqs.pop(rng.randrange(len(reqs)))
             final = req.tokens[: req.computed] if seed % 2 else None
-            pool.release(req.lease, Release(req.rid, final))
+            pool.release(req.lease, Release(req.request_id, final))
         elif op == 4:  # client death: nothing uncommitted may enter the tree
             lease = rng.choice(leases)
             before = pool.cached_slots
@@ -94,9 +94,9 @@ def test_random_sequences_keep_invariants(ops: list[tuple[int, int]], page_size:
         elif op == 6 and reqs:  # invalid items change nothing
             req = rng.choice(reqs)
             snapshot = (pool.free_slots, pool.request_slots, pool.cached_slots)
-            for bad in (lambda r=req: pool.release(r.lease + 1000, Release(r.rid)),
-                        lambda r=req: pool.grow(r.lease, Grow(r.rid, MAX_CTX + 1)),
-                        lambda r=req: pool.commit(r.lease, Commit(r.rid, r.tokens + [1] * MAX_CTX))):
+            for bad in (lambda r=req: pool.release(r.lease + 1000, Release(r.request_id)),
+                        lambda r=req: pool.grow(r.lease, Grow(r.request_id, MAX_CTX + 1)),
+                        lambda r=req: pool.commit(r.lease, Commit(r.request_id, r.tokens + [1] * MAX_CTX))):
                 try:
                     bad()
                     raise AssertionError("invalid item accepted")

@@ -4,6 +4,8 @@ field path, and a frame sent the wrong way is named as such."""
 
 from __future__ import annotations
 
+import re
+
 import msgpack
 import pytest
 from hypothesis import given, settings
@@ -21,11 +23,11 @@ SAMPLES: list[tuple[Codec, object]] = [
     (fr.DOWN, fr.GenerateReq("r1", list(range(50)), _SP, 1.7e9)),
     (fr.DOWN, fr.GenerateReq("r2", [1], fr.SamplingParams())),
     (fr.DOWN, fr.AbortReq("r1")),
-    (fr.UP, fr.Hello("runner-0", 4242, "tiny", 64, 4096)),
+    (fr.UP, fr.Hello("runner-0", 4242, 4096)),
     (fr.UP, fr.RunnerStatus("runner-0", 3, 2, 0.25, False)),
     (fr.UP, fr.TokenBatch("runner-0", [
         fr.TokenOut(f"r{i}", [i, i + 1], [fr.TokenLogprob(-0.5, [1, 2], [-0.5, -1.5])],
-                    "stop", 10, 2, 3, 0.01, "boom") for i in range(64)])),
+                    "stop", 2, 0.01, "boom") for i in range(64)])),
     (rm.REQUESTS, rm.Attach("runner-0", 42, "host", 2, 2, 8, "float32")),
     (rm.REPLIES, rm.AttachReply(1 << 61, _LAYOUT, [
         rm.BufferHandle("k_buffer", "memfd", [2, 256, 2, 8], "float32", 16384, 99, 7),
@@ -72,7 +74,8 @@ def test_every_message_decodes_from_the_old_shape(codec: Codec, msg: object) -> 
     assert codec.decode(msgpack.packb(_old_shape(msg), use_bin_type=True)) == msg
 
 
-# Frames the hand-written codec (kvserve/wire.py at aee480c) produced, byte for byte.
+# Frames the hand-written codec (kvserve/wire.py at aee480c) produced, byte for byte: the
+# runner<->memsvc link kept its shape (protocol 1) and decodes them.
 OLD_FRAMES = [
     (rm.REQUESTS,
      b"\x86\xa5lease\x07\xa5admit\x91\x93\x01\x93\x05\x06\x07\x04\xa4grow\x92\x92\x0c\xcd\x01\x00"
@@ -83,27 +86,47 @@ OLD_FRAMES = [
      b"\x88\xa4name\xa8runner-0\xa3pid*\xa4host\xa1h\xa8n_layers\x02\xaan_kv_heads\x02\xa8head_dim"
      b"\x08\xa5dtype\xa7float32\xa4type\xa6Attach",
      rm.Attach("runner-0", 42, "h", 2, 2, 8, "float32", protocol=1)),
-    (fr.DOWN,
-     b"\x85\xa3rid\xa2r1\xa9token_ids\x92\x01\x02\xa6params\x9c\xcb?\xe0\x00\x00\x00\x00\x00\x00"
-     b"\xcb?\xf0\x00\x00\x00\x00\x00\x00\x00\xcb\x00\x00\x00\x00\x00\x00\x00\x00\xcb?\xf0\x00\x00"
-     b"\x00\x00\x00\x00\xcb\x00\x00\x00\x00\x00\x00\x00\x00\xcb\x00\x00\x00\x00\x00\x00\x00\x00\x03"
-     b"\xcc\x80\x91\t\xc2\x00\xacarrival_time\xcb?\xf8\x00\x00\x00\x00\x00\x00\xa4type\xabGenerateReq",
-     fr.GenerateReq("r1", [1, 2], fr.SamplingParams(temperature=0.5, seed=3, stop_token_ids=[9]), 1.5)),
-    (fr.UP,
-     b"\x86\xa9runner_id\xa3r-0\xa3pid*\xa5model\xa1m\xabmax_running\x08\xafmax_context_len@"
-     b"\xa4type\xa5Hello",
-     fr.Hello("r-0", 42, "m", 8, 64, protocol=1)),
-    (fr.UP,
-     b"\x83\xa9runner_id\xa3r-0\xa7outputs\x91\x99\xa1a\x91\x01\x91\x93\xcb\xbf\xe0\x00\x00\x00\x00"
-     b"\x00\x00\x91\x01\x91\xcb\xbf\xe0\x00\x00\x00\x00\x00\x00\xa4stop\x02\x00\x01\xcb\x00\x00\x00"
-     b"\x00\x00\x00\x00\x00\xa0\xa4type\xaaTokenBatch",
-     fr.TokenBatch("r-0", [fr.TokenOut("a", [1], [fr.TokenLogprob(-0.5, [1], [-0.5])], "stop", 2, 0, 1)])),
 ]
 
 
 @pytest.mark.parametrize(("codec", "frame", "msg"), OLD_FRAMES, ids=lambda v: type(v).__name__)
 def test_frames_of_the_old_codec_decode(codec: Codec, frame: bytes, msg: object) -> None:
     assert codec.decode(frame) == msg
+
+
+# The frontend<->runner link's protocol 1 frames (aee480c), byte for byte: version 2 renamed
+# rid to request_id and dropped fields nobody read, so they are refused, and a version 1
+# Hello still says which version it speaks.
+V1_FRAMES = [
+    (fr.DOWN,
+     b"\x85\xa3rid\xa2r1\xa9token_ids\x92\x01\x02\xa6params\x9c\xcb?\xe0\x00\x00\x00\x00\x00\x00"
+     b"\xcb?\xf0\x00\x00\x00\x00\x00\x00\x00\xcb\x00\x00\x00\x00\x00\x00\x00\x00\xcb?\xf0\x00\x00"
+     b"\x00\x00\x00\x00\xcb\x00\x00\x00\x00\x00\x00\x00\x00\xcb\x00\x00\x00\x00\x00\x00\x00\x00\x03"
+     b"\xcc\x80\x91\t\xc2\x00\xacarrival_time\xcb?\xf8\x00\x00\x00\x00\x00\x00\xa4type\xabGenerateReq",
+     "unknown field 'rid'"),
+    (fr.UP,
+     b"\x86\xa9runner_id\xa3r-0\xa3pid*\xa5model\xa1m\xabmax_running\x08\xafmax_context_len@"
+     b"\xa4type\xa5Hello",
+     "unknown field 'model'"),
+    (fr.UP,
+     b"\x83\xa9runner_id\xa3r-0\xa7outputs\x91\x99\xa1a\x91\x01\x91\x93\xcb\xbf\xe0\x00\x00\x00\x00"
+     b"\x00\x00\x91\x01\x91\xcb\xbf\xe0\x00\x00\x00\x00\x00\x00\xa4stop\x02\x00\x01\xcb\x00\x00\x00"
+     b"\x00\x00\x00\x00\x00\xa0\xa4type\xaaTokenBatch",
+     "outputs[0].error: expected a string, got int"),
+]
+
+
+@pytest.mark.parametrize(("codec", "frame", "needle"), V1_FRAMES, ids=["GenerateReq", "Hello", "TokenBatch"])
+def test_frontend_runner_frames_of_protocol_1_are_refused(codec: Codec, frame: bytes, needle: str) -> None:
+    with pytest.raises(WireError, match=re.escape(needle)):
+        codec.decode(frame)
+
+
+def test_a_hello_of_any_version_names_its_version() -> None:
+    assert fr.hello_protocol(V1_FRAMES[1][1]) == 1  # version 1 had the field too (Hello at aee480c)
+    assert fr.hello_protocol(fr.UP.encode(fr.Hello("r", 1, 1, protocol=7))) == 7
+    assert fr.hello_protocol(fr.UP.encode(fr.RunnerStatus("r", 0, 0, 0.0))) is None
+    assert fr.hello_protocol(b"\xc1 not msgpack") is None
 
 
 @pytest.mark.parametrize(
@@ -119,12 +142,12 @@ def test_frames_of_the_old_codec_decode(codec: Codec, frame: bytes, msg: object)
          "layout.dtype: missing field"),
         (rm.REPLIES, {"type": "AttachReply", "lease": 1, "layout": list(_LAYOUT.__struct_fields__),
                       "buffers": []}, "layout.n_layers: expected an int, got str"),
-        (fr.DOWN, {"type": "GenerateReq", "rid": "r", "token_ids": [], "params": ["hot"]},
+        (fr.DOWN, {"type": "GenerateReq", "request_id": "r", "token_ids": [], "params": ["hot"]},
          "params.temperature: expected a number, got str"),
         (fr.UP, {"type": "TokenBatch", "runner_id": "r", "outputs": [["a", [1], [[-0.5, ["x"]]]]]},
          "outputs[0].logprobs[0].top_ids[0]: expected an int, got str"),
-        (fr.UP, {"type": "Hello", "runner_id": "r", "pid": 1, "model": "m", "max_running": 1,
-                 "max_context_len": 1, "protocol": "2"}, "protocol: expected an int, got str"),
+        (fr.UP, {"type": "Hello", "runner_id": "r", "pid": 1, "max_context_len": 1, "protocol": "2"},
+         "protocol: expected an int, got str"),
         (rm.REQUESTS, {"type": "StatsReply"}, "type: StatsReply is a reply, not a request"),
         (fr.DOWN, {"type": "Hello"}, "type: Hello is a runner→frontend message, not a frontend→runner message"),
         (fr.UP, {"type": "GenerateReq"}, "type: unknown message type 'GenerateReq'"),
@@ -137,9 +160,9 @@ def test_errors_name_the_field_path(codec: Codec, body: dict, needle: str) -> No
 
 
 def test_hello_and_attach_carry_the_protocol_version() -> None:
-    assert fr.Hello("r", 1, "m", 1, 1).protocol == fr.PROTOCOL_VERSION == 1
+    assert fr.Hello("r", 1, 1).protocol == fr.PROTOCOL_VERSION == 2
     assert rm.Attach("r", 1, "h", 1, 1, 1, "float32").protocol == rm.PROTOCOL_VERSION == 1
-    assert msgpack.unpackb(fr.UP.encode(fr.Hello("r", 1, "m", 1, 1)))["protocol"] == 1
+    assert msgpack.unpackb(fr.UP.encode(fr.Hello("r", 1, 1)))["protocol"] == 2
 
 
 _values = st.recursive(

@@ -11,7 +11,7 @@ from kvserve.wire import MAX_FRAME_BYTES, Codec, Item, Message, WireError
 
 
 class Entry(Item, frozen=True):
-    rid: int
+    request_id: int
     tokens: list[int]
 
 
@@ -31,7 +31,7 @@ class Batch(Message, frozen=True):
 
 
 class Pair(Message):
-    rid: int
+    request_id: int
     tokens: list[int]
 
 
@@ -79,27 +79,27 @@ def test_a_frame_of_the_old_shape_decodes() -> None:
         (b"\xc1garbage", "not a msgpack frame"),
         (b"", "not a msgpack frame"),
         (msgpack.packb([1, 2]), "frame: expected a map, got list"),
-        (msgpack.packb({"rid": 1}), "type: missing field"),
+        (msgpack.packb({"request_id": 1}), "type: missing field"),
         (msgpack.packb({"type": 3}), "type: expected a string, got int"),
         (msgpack.packb({"type": "Nope"}), "type: unknown message type 'Nope'"),
         (msgpack.packb({"type": "Ack", "ok": True}), "type: Ack is a reply, not a request"),
-        (msgpack.packb({"type": "Pair", "rid": "1", "tokens": []}), "rid: expected an int, got str"),
-        (msgpack.packb({"type": "Pair", "rid": True, "tokens": []}), "rid: expected an int, got bool"),
-        (msgpack.packb({"type": "Pair", "rid": 1.0, "tokens": []}), "rid: expected an int, got float"),
-        (msgpack.packb({"type": "Pair", "rid": 1}), "tokens: missing field"),
-        (msgpack.packb({"type": "Pair", "rid": 1, "tokens": [1, "x"]}), "tokens[1]: expected an int"),
-        (msgpack.packb({"type": "Pair", "rid": 1, "tokens": None}), "tokens: expected a list, got None"),
-        (msgpack.packb({"type": "Pair", "rid": 1, "tokens": [], "extra": 1}),
+        (msgpack.packb({"type": "Pair", "request_id": "1", "tokens": []}), "request_id: expected an int, got str"),
+        (msgpack.packb({"type": "Pair", "request_id": True, "tokens": []}), "request_id: expected an int, got bool"),
+        (msgpack.packb({"type": "Pair", "request_id": 1.0, "tokens": []}), "request_id: expected an int, got float"),
+        (msgpack.packb({"type": "Pair", "request_id": 1}), "tokens: missing field"),
+        (msgpack.packb({"type": "Pair", "request_id": 1, "tokens": [1, "x"]}), "tokens[1]: expected an int"),
+        (msgpack.packb({"type": "Pair", "request_id": 1, "tokens": None}), "tokens: expected a list, got None"),
+        (msgpack.packb({"type": "Pair", "request_id": 1, "tokens": [], "extra": 1}),
          "Pair: unknown field 'extra'"),
         (msgpack.packb({"type": "Batch", "name": "b", "items": [[1]]}), "items[0].tokens: missing field"),
-        (msgpack.packb({"type": "Batch", "name": "b", "items": [{"rid": 1}]}),
+        (msgpack.packb({"type": "Batch", "name": "b", "items": [{"request_id": 1}]}),
          "items[0]: expected an array of Entry fields, got dict"),
         (msgpack.packb({"type": "Batch", "name": "b", "items": [[1, [], 3]]}),
          "items[0]: 3 values for the 2 fields of Entry"),
         (msgpack.packb({"type": "Batch", "name": "b", "items": [[1, [2, "x"]]]}),
          "items[0].tokens[1]: expected an int, got str"),
         (msgpack.packb({"type": "Batch", "name": "b", "items": [[1, []], ["2", []]]}),
-         "items[1].rid: expected an int, got str"),
+         "items[1].request_id: expected an int, got str"),
         (msgpack.packb({"type": "Batch", "name": "b", "items": [], "tag": []}), "tag.key: missing field"),
         (msgpack.packb({"type": "Batch", "name": "b", "items": [], "tag": ["k", "heavy"]}),
          "tag.weight: expected a number, got str"),

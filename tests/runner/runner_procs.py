@@ -115,21 +115,21 @@ def greedy(max_new: int = 24, **kw: Any) -> SamplingParams:
 
 
 def run_all(sched: Any, reqs: list[GenerateReq], *, max_steps: int = 10000) -> dict[str, list[TokenOut]]:
-    """Add `reqs`, step until nothing is left; every TokenOut per rid."""
+    """Add `reqs`, step until nothing is left; every TokenOut per request_id."""
     for r in reqs:
         sched.add(r)
     out: dict[str, list[TokenOut]] = {}
     steps = 0
     while sched.has_work():
         for o in sched.step():
-            out.setdefault(o.rid, []).append(o)
+            out.setdefault(o.request_id, []).append(o)
         steps += 1
         assert steps < max_steps, "scheduler did not finish"
     return out
 
 
 def tokens_of(outs: dict[str, list[TokenOut]]) -> dict[str, list[int]]:
-    return {rid: [t for o in lst for t in o.token_ids] for rid, lst in outs.items()}
+    return {request_id: [t for o in lst for t in o.token_ids] for request_id, lst in outs.items()}
 
 
 def random_prompts(seed: int, lengths: list[int], vocab: int = 256) -> list[list[int]]:

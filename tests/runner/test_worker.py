@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from typing import Any
 
 import pytest
@@ -30,6 +31,7 @@ from kvserve.messages.frontend_runner import (
 )
 from kvserve.model.weights import load_model
 from kvserve.runner.scheduler import Scheduler
+from kvserve.tools.servectl import free_block
 
 from .runner_procs import (
     attached,
@@ -74,11 +76,11 @@ class FakeFrontend:
     def send(self, runner: str, msg: Any) -> None:
         self.sock.send_multipart([runner.encode(), DOWN.encode(msg)])
 
-    def outputs(self, rid: str) -> list[Any]:
-        return [o for b in self.batches for o in b.outputs if o.rid == rid]
+    def outputs(self, request_id: str) -> list[Any]:
+        return [o for b in self.batches for o in b.outputs if o.request_id == request_id]
 
-    def done(self, rid: str) -> bool:
-        outs = self.outputs(rid)
+    def done(self, request_id: str) -> bool:
+        outs = self.outputs(request_id)
         return bool(outs) and outs[-1].finish_reason != ""
 
     def close(self) -> None:
@@ -97,6 +99,7 @@ def test_runner_process_serves_aborts_survives_memsvc_restart(tmp_path_factory: 
     margs = memsvc_args(lm.config, max_context_len=2048)
     fe = FakeFrontend(f"ipc://{run_dir}/frontend.sock")
     proc = None
+    metrics = free_block(1)
     try:
         with memsvc_process(run_dir, margs) as address:
             with attached(address, lm.config) as client:
@@ -107,7 +110,8 @@ def test_runner_process_serves_aborts_survives_memsvc_restart(tmp_path_factory: 
             proc = subprocess.Popen(
                 [sys.executable, "-m", "kvserve.cli", "runner", "--model", str(model_dir),
                  "--device", "cpu", "--dtype", "float32", "--memsvc-address", address,
-                 "--runner-id", "r1", "--metrics-port", "0", "--threads", "1", "--runtime-dir", str(run_dir)],
+                 "--runner-id", "r1", "--metrics-port", str(metrics), "--threads", "1",
+                 "--runtime-dir", str(run_dir)],
                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             )
             fe.wait(lambda: fe.hellos, 90)
@@ -118,7 +122,7 @@ def test_runner_process_serves_aborts_survives_memsvc_restart(tmp_path_factory: 
             assert len(fe.statuses) >= n + 2  # every <= 0.25 s
             assert fe.statuses[-1].memsvc_ok and fe.statuses[-1].running == 0
 
-            fe.sock.send_multipart([b"r1", b"\x93garbage"])  # malformed: logged, ignored
+            fe.sock.send_multipart([b"r1", b"\x93garbage"])  # malformed: logged, counted, ignored
             for i, p in enumerate(prompts):
                 fe.send("r1", GenerateReq(f"g{i}", p, params, arrival_time=time.time()))
             fe.send("r1", GenerateReq("long", prompts[0], greedy(max_new=200)))
@@ -126,9 +130,10 @@ def test_runner_process_serves_aborts_survives_memsvc_restart(tmp_path_factory: 
             for i in range(3):
                 outs = fe.outputs(f"g{i}")
                 assert [t for o in outs for t in o.token_ids] == expected[f"e{i}"]
-                assert outs[-1].finish_reason == "length" and outs[-1].completion_tokens == 12
-                assert outs[0].queue_time >= 0.0 and outs[0].prompt_tokens == len(prompts[i])
-            multi = [b for b in fe.batches if len({o.rid for o in b.outputs}) > 1]
+                assert outs[-1].finish_reason == "length" and outs[0].queue_time >= 0.0
+            page = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5).read().decode()
+            assert "\nkvserve_runner_bad_messages_total 1.0\n" in page
+            multi = [b for b in fe.batches if len({o.request_id for o in b.outputs}) > 1]
             assert multi, "the batch's tokens must travel together, one TokenBatch per step"
             fe.send("r1", AbortReq("long"))
             fe.wait(lambda: fe.done("long"))
