@@ -7,7 +7,7 @@ new K/V into a preallocated contiguous [B, Hkv, Lmax, D] cache and call
 `F.scaled_dot_product_attention(..., enable_gqa=True)` on the filled part (`sdpa`), and
 for decode the same without `enable_gqa`, each KV group's q heads as its query rows
 (`sdpa_grp`, the fastest contiguous decode found; bf16 `enable_gqa` is slow).  `build`
-is the per-step `build_kvcache` time (paid once per step, not per layer).
+is the per-step `build_step_metadata` time (paid once per step, not per layer).
 
 Variants run interleaved, round after round, over `--layers` distinct caches (so the
 cache is cold as in a real forward); the minimum per-layer time is reported, which keeps
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvserve.kernels import build_kvcache, get_backend
+from kvserve.kernels import build_step_metadata, get_backend
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -100,7 +100,7 @@ def slot_table(case: Case, layout: str, chunk: int, gen: torch.Generator) -> tor
 def run_case(
     case: Case, dtype: torch.dtype, args: argparse.Namespace, clock: Callable[[], float]
 ) -> dict[str, float]:
-    """Minimum per-layer milliseconds of each variant (and of build_kvcache)."""
+    """Minimum per-layer milliseconds of each variant (and of build_step_metadata)."""
     gen = torch.Generator().manual_seed(0)
     hq, hkv, d = args.q_heads, args.kv_heads, args.head_dim
     b, seq, e = case.batch, case.prefix + case.extend, case.extend
@@ -118,7 +118,7 @@ def run_case(
     scale = d**-0.5
 
     def build() -> object:
-        return build_kvcache(req_to_token=r2t, req_pool_indices=list(range(b)),
+        return build_step_metadata(req_to_token=r2t, req_pool_indices=list(range(b)),
                              prefix_lens=[case.prefix] * b, extend_lens=[e] * b,
                              num_q_heads=hq, head_dim=d, device="cpu", num_kv_heads=hkv)
 

@@ -102,7 +102,7 @@ def make_pool(seq_lens: list[int], shape: Shape, dtype: torch.dtype, device: str
 
 
 def bench_decode(shape: Shape, dtype, device, iters, peak) -> list[list[str]]:
-    from kvserve.kernels import DecodeWorkspace, build_kvcache
+    from kvserve.kernels import DecodeWorkspace, build_step_metadata
     from kvserve.kernels.decode import decode_attention
 
     rows = []
@@ -111,7 +111,7 @@ def bench_decode(shape: Shape, dtype, device, iters, peak) -> list[list[str]]:
                                     head_dim=shape.head_dim, dtype=dtype, device=device)
         for ctx in shape.contexts:
             r2t, kc, vc = make_pool([ctx] * bsz, shape, dtype, device)
-            meta = build_kvcache(req_to_token=r2t, req_pool_indices=list(range(bsz)),
+            meta = build_step_metadata(req_to_token=r2t, req_pool_indices=list(range(bsz)),
                                  prefix_lens=[ctx - 1] * bsz, extend_lens=[1] * bsz,
                                  num_q_heads=shape.num_q_heads, head_dim=shape.head_dim,
                                  device=device, workspace=ws, num_kv_heads=shape.num_kv_heads)
@@ -131,7 +131,7 @@ def bench_extend(shape: Shape, dtype, device, iters) -> list[list[str]]:
     import torch.nn.functional as F
     from torch.nn.attention.bias import causal_lower_right
 
-    from kvserve.kernels import build_kvcache
+    from kvserve.kernels import build_step_metadata
     from kvserve.kernels.extend import extend_attention
 
     rows = []
@@ -140,7 +140,7 @@ def bench_extend(shape: Shape, dtype, device, iters) -> list[list[str]]:
     for prefix in shape.prefixes:
         seq = prefix + e
         r2t, kc, vc = make_pool([seq] * n, shape, dtype, device)
-        meta = build_kvcache(req_to_token=r2t, req_pool_indices=list(range(n)),
+        meta = build_step_metadata(req_to_token=r2t, req_pool_indices=list(range(n)),
                              prefix_lens=[prefix] * n, extend_lens=[e] * n, num_q_heads=hq,
                              head_dim=d, device=device, num_kv_heads=hkv)
         q = torch.randn(n * e, hq, d, dtype=dtype, device=device)

@@ -4,7 +4,7 @@
 K/V), `get_backend("reference")` the obviously-correct plain-torch test oracle;
 `get_backend("triton")` runs the Triton kernels (imported lazily, so CPU-only users never
 import triton).  Both expose `attention(q, k, v, *, k_cache, v_cache, meta, sm_scale)`;
-`build_kvcache` builds the per-step `meta` (see docs/interfaces.md).
+`build_step_metadata` builds the per-step `meta` (see docs/interfaces.md).
 
 Imports only torch (and triton, lazily).
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from kvserve.kernels.metadata import DecodeWorkspace, KVCache, build_kvcache
+from kvserve.kernels.metadata import DecodeWorkspace, StepMetadata, build_step_metadata
 
 _BACKEND_MODULES = {
     "torch": "kvserve.kernels.cpu",
@@ -34,4 +34,4 @@ def get_backend(name: str) -> ModuleType:
     return importlib.import_module(module)
 
 
-__all__ = ["DecodeWorkspace", "KVCache", "build_kvcache", "get_backend"]
+__all__ = ["DecodeWorkspace", "StepMetadata", "build_step_metadata", "get_backend"]

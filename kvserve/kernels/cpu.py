@@ -15,7 +15,7 @@ kernel) instead of hand-written matmul/softmax:
   a chunk after a cached prefix an explicit prefix+causal mask.
 
 The per-step host plan (slots, masks, buffers) is built on first use and kept on the
-`KVCache`.  Knows nothing about the model, memsvc or scheduling; imports only torch.
+`StepMetadata`.  Knows nothing about the model, memsvc or scheduling; imports only torch.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvserve.kernels.metadata import KVCache, check_attention_args
+from kvserve.kernels.metadata import StepMetadata, check_attention_args
 
 _PLAN_KEY = "cpu"
 VIEW_MAX_BATCH = 1
@@ -73,7 +73,7 @@ class _Plan:
         return bufs
 
 
-def _build_plan(meta: KVCache) -> _Plan:
+def _build_plan(meta: StepMetadata) -> _Plan:
     device = meta.req_to_token.device
     rows = meta.req_pool_indices.tolist()
     ext, pre, seq = meta.extend_lens_host, meta.prefix_lens_host, meta.seq_lens_host
@@ -123,7 +123,7 @@ def _is_run(slots: torch.Tensor, first: int) -> bool:
     )
 
 
-def _plan(meta: KVCache) -> _Plan:
+def _plan(meta: StepMetadata) -> _Plan:
     plan = meta.backend_cache.get(_PLAN_KEY)
     if plan is None:
         plan = _build_plan(meta)
@@ -188,7 +188,7 @@ def attention(
     *,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    meta: KVCache,
+    meta: StepMetadata,
     sm_scale: float,
 ) -> torch.Tensor:
     """Store k/v ([T, Hkv, D]) at meta.out_cache_loc, then attend; returns [T, Hq, D]."""

@@ -23,7 +23,7 @@ from kvserve.kernels._triton_common import (
     compute_dtype,
     dot_precision,
 )
-from kvserve.kernels.metadata import KVCache
+from kvserve.kernels.metadata import StepMetadata
 
 
 @triton.jit
@@ -127,7 +127,7 @@ def _launch_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    meta: KVCache,
+    meta: StepMetadata,
     sm_scale: float,
     out: torch.Tensor,
     o_part: torch.Tensor,
@@ -197,7 +197,7 @@ def decode_attention(
     *,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    meta: KVCache,
+    meta: StepMetadata,
     sm_scale: float,
     out: torch.Tensor | None = None,
     num_kv_splits: int | None = None,

@@ -23,7 +23,7 @@ from kvserve.kernels._triton_common import (
     compute_dtype,
     dot_precision,
 )
-from kvserve.kernels.metadata import KVCache
+from kvserve.kernels.metadata import StepMetadata
 
 
 @triton.jit
@@ -96,7 +96,7 @@ def _launch_extend(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    meta: KVCache,
+    meta: StepMetadata,
     sm_scale: float,
     out: torch.Tensor,
 ) -> None:
@@ -150,7 +150,7 @@ def extend_attention(
     *,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    meta: KVCache,
+    meta: StepMetadata,
     sm_scale: float,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:

@@ -1,6 +1,6 @@
-"""Per-step attention metadata (`KVCache`) and the decode workspace.
+"""Per-step attention metadata (`StepMetadata`) and the decode workspace.
 
-`build_kvcache` turns a batch description (rows of `req_to_token`, cached prefix lengths,
+`build_step_metadata` turns a batch description (rows of `req_to_token`, cached prefix lengths,
 new-token counts) into the index tensors every attention backend reads: flat-token
 offsets, query-tile maps for ragged prefill chunks, the slots the new tokens go to, their
 positions, and the split-KV decode buffers.  It is built once per scheduler step and shared
@@ -87,8 +87,11 @@ class DenseIndex:
 
 
 @dataclass(slots=True)
-class KVCache:
-    """Attention metadata of one step; every tensor lives on `device` unless noted."""
+class StepMetadata:
+    """Attention metadata of one step; every tensor lives on `device` unless noted.
+
+    The seed called this `KVCache`; it holds no KV, only the indices a step's attention
+    reads and writes the pool through."""
 
     req_to_token: torch.Tensor  # [max_reqs, max_context_len] int32
     req_pool_indices: torch.Tensor  # [B] int64
@@ -126,7 +129,7 @@ class KVCache:
         return self._dense
 
 
-def check_attention_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: KVCache) -> None:
+def check_attention_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepMetadata) -> None:
     """The shape checks every backend's `attention` makes first; ValueError names the mismatch."""
     if q.dim() != 3 or k.shape != v.shape or k.shape[0] != q.shape[0]:
         raise ValueError(f"bad shapes q={tuple(q.shape)} k={tuple(k.shape)} v={tuple(v.shape)}")
@@ -156,7 +159,7 @@ def choose_num_kv_splits(
     return max(1, min(max_splits, by_len, by_occupancy))
 
 
-def build_kvcache(
+def build_step_metadata(
     *,
     req_to_token: torch.Tensor,
     req_pool_indices: IntsLike,
@@ -168,7 +171,7 @@ def build_kvcache(
     workspace: DecodeWorkspace | None = None,
     num_kv_heads: int | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
-) -> KVCache:
+) -> StepMetadata:
     """Build the metadata of one batch (see docs/interfaces.md, "Attention backend").
 
     Raises ValueError naming the field when lengths disagree, a length is negative, a
@@ -185,7 +188,7 @@ def build_kvcache(
             f"{b}, {prefix.numel()}, {extend.numel()}"
         )
     if b == 0:
-        raise ValueError("build_kvcache needs at least one request")
+        raise ValueError("build_step_metadata needs at least one request")
     if int(extend.min()) < 1:
         raise ValueError(f"every extend_len must be >= 1, got {extend.tolist()}")
     if req_to_token.dim() != 2:
@@ -230,7 +233,7 @@ def build_kvcache(
             max_splits=workspace.max_splits,
             device=device,
         )
-    return KVCache(
+    return StepMetadata(
         req_to_token=r2t,
         req_pool_indices=rows_d,
         seq_lens=dev(seq),
@@ -259,7 +262,7 @@ def build_kvcache(
     )
 
 
-def _build_dense(meta: KVCache) -> DenseIndex:
+def _build_dense(meta: StepMetadata) -> DenseIndex:
     device = meta.req_to_token.device
     lmax = meta.max_seq_len
     ar = torch.arange(lmax, device=device)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.kernels.metadata import KVCache, check_attention_args
+from kvserve.kernels.metadata import StepMetadata, check_attention_args
 
 
 def store_kv(
@@ -49,7 +49,7 @@ def decode_attention(
     *,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    meta: KVCache,
+    meta: StepMetadata,
     sm_scale: float,
 ) -> torch.Tensor:
     """One query per decode request (q [Bd, Hq, D]) against its whole sequence in the cache.
@@ -75,7 +75,7 @@ def extend_attention(
     *,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    meta: KVCache,
+    meta: StepMetadata,
     sm_scale: float,
 ) -> torch.Tensor:
     """Ragged query tokens (q [T, Hq, D]) against cached prefix + causal self; K/V stored."""
@@ -105,7 +105,7 @@ def attention(
     *,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    meta: KVCache,
+    meta: StepMetadata,
     sm_scale: float,
 ) -> torch.Tensor:
     """Store k/v ([T, Hkv, D]) at meta.out_cache_loc, then attend; returns [T, Hq, D]."""

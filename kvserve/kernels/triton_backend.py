@@ -9,7 +9,7 @@ import torch
 
 from kvserve.kernels.decode import decode_attention
 from kvserve.kernels.extend import extend_attention
-from kvserve.kernels.metadata import KVCache, check_attention_args
+from kvserve.kernels.metadata import StepMetadata, check_attention_args
 from kvserve.kernels.store_kv import store_kv
 
 
@@ -20,7 +20,7 @@ def attention(
     *,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    meta: KVCache,
+    meta: StepMetadata,
     sm_scale: float,
 ) -> torch.Tensor:
     """Store k/v ([T, Hkv, D]) at meta.out_cache_loc, then attend; returns [T, Hq, D]."""

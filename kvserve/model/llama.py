@@ -211,7 +211,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Forward over memsvc KV buffers [n_layers, size, Hkv, D] with a kernels backend.
 
-        `meta` is a `kvserve.kernels.KVCache` (its `positions` are the absolute positions of
+        `meta` is a `kvserve.kernels.StepMetadata` (its `positions` are the absolute positions of
         `input_ids`); each layer's new k/v are stored at `meta.out_cache_loc` by the backend.
         Returns float32 logits [B, vocab] for `logits_indices`.
         """

@@ -1,8 +1,8 @@
 """Turn one step's plan (which requests compute how many tokens) into model inputs.
 
 `ForwardBatch.build` concatenates the new tokens of every planned request into one flat
-ragged batch (request by request, as the kernels expect), builds the step's `KVCache`
-metadata with `kvserve.kernels.build_kvcache` once, and records which flat positions need
+ragged batch (request by request, as the kernels expect), builds the step's `StepMetadata`
+metadata with `kvserve.kernels.build_step_metadata` once, and records which flat positions need
 logits (the last token of every request that samples this step). It knows nothing about
 memsvc messages, sampling parameters or sockets.
 """
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kvserve.kernels import DecodeWorkspace, build_kvcache
+from kvserve.kernels import DecodeWorkspace, build_step_metadata
 from kvserve.runner.requests import Request
 
 
@@ -24,7 +24,7 @@ class ForwardBatch:
     """Inputs of one forward pass."""
 
     input_ids: torch.Tensor  # [T] int64 on the model's device
-    meta: Any  # kvserve.kernels.KVCache
+    meta: Any  # kvserve.kernels.StepMetadata
     logits_indices: torch.Tensor  # [S] int64: flat index of each sampling request's last token
     sampling: list[Request]  # the S requests that sample, in logits order
     num_tokens: int
@@ -61,7 +61,7 @@ class ForwardBatch:
             if start + n == len(req.tokens):
                 last.append(len(ids) - 1)
                 sampling.append(req)
-        meta = build_kvcache(
+        meta = build_step_metadata(
             req_to_token=req_to_token,
             req_pool_indices=rows,
             prefix_lens=prefix,

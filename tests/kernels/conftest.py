@@ -27,7 +27,7 @@ if not torch.cuda.is_available():
         if _module is not None:
             importlib.reload(_module)
 
-from kvserve.kernels import KVCache, build_kvcache  # noqa: E402
+from kvserve.kernels import StepMetadata, build_step_metadata  # noqa: E402
 from kvserve.kernels.metadata import DecodeWorkspace  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -46,7 +46,7 @@ class Batch:
     rows: list[int]
     prefix: list[int]
     extend: list[int]
-    meta: KVCache
+    meta: StepMetadata
 
 
 def make_batch(
@@ -92,7 +92,7 @@ def make_batch(
         ws = DecodeWorkspace.create(max_batch=bsz, num_q_heads=num_q_heads, head_dim=head_dim,
                                     dtype=dtype, device=device, max_splits=8)
     req_to_token = req_to_token.to(device)
-    meta = build_kvcache(req_to_token=req_to_token, req_pool_indices=rows, prefix_lens=prefix,
+    meta = build_step_metadata(req_to_token=req_to_token, req_pool_indices=rows, prefix_lens=prefix,
                          extend_lens=extend, num_q_heads=num_q_heads, head_dim=head_dim,
                          device=device, workspace=ws, num_kv_heads=num_kv_heads, block_q=block_q)
     return Batch(

@@ -185,7 +185,7 @@ def launches_for(shape: Shape, dtype: torch.dtype) -> list[Launch]:
     prefix and a chunk spanning several query tiles.  store_kv is captured once: a decode
     step launches the same kernel with the same constexprs and argument types.
     """
-    from kvserve.kernels import build_kvcache
+    from kvserve.kernels import build_step_metadata
     from kvserve.kernels.metadata import DecodeWorkspace
 
     hq, hkv, d = shape.num_q_heads, shape.num_kv_heads, shape.head_dim
@@ -196,7 +196,7 @@ def launches_for(shape: Shape, dtype: torch.dtype) -> list[Launch]:
     steps = (([3000, 1200], [1, 1]), ([700, 0], [300, 129]))
     with captured_launches() as sink:
         for prefix, extend in steps:
-            meta = build_kvcache(req_to_token=req_to_token, req_pool_indices=[1, 3],
+            meta = build_step_metadata(req_to_token=req_to_token, req_pool_indices=[1, 3],
                                  prefix_lens=prefix, extend_lens=extend, num_q_heads=hq,
                                  head_dim=d, device="cpu", workspace=ws, num_kv_heads=hkv)
             t = meta.num_tokens

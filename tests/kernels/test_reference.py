@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.kernels import build_kvcache, get_backend
+from kvserve.kernels import build_step_metadata, get_backend
 
 from .conftest import dense_oracle, make_batch
 
@@ -37,7 +37,7 @@ def test_reference_matches_sdpa(prefix, extend, hq, hkv, d, dtype):
 
 def test_metadata_fields():
     r2t = torch.arange(40, dtype=torch.int32).view(4, 10)
-    meta = build_kvcache(req_to_token=r2t, req_pool_indices=[2, 0], prefix_lens=[3, 0],
+    meta = build_step_metadata(req_to_token=r2t, req_pool_indices=[2, 0], prefix_lens=[3, 0],
                          extend_lens=[2, 5], num_q_heads=2, head_dim=8, device="cpu", block_q=2)
     assert meta.qo_indptr.tolist() == [0, 2, 7]
     assert meta.kv_indptr.tolist() == [0, 5, 10]
@@ -61,7 +61,7 @@ def test_metadata_fields():
 def test_metadata_rejects_bad_input(kwargs, message):
     r2t = torch.zeros(4, 10, dtype=torch.int32)
     with pytest.raises(ValueError, match=message):
-        build_kvcache(req_to_token=r2t, req_pool_indices=[0, 1], num_q_heads=2, head_dim=8,
+        build_step_metadata(req_to_token=r2t, req_pool_indices=[0, 1], num_q_heads=2, head_dim=8,
                       device="cpu", **kwargs)
 
 

@@ -129,9 +129,9 @@ class PagedKV:
     ) -> torch.Tensor:
         """Run `chunks[b]` (new tokens of request b at row rows[b], after prefix_lens[b]
         cached tokens); float32 logits of each request's last token, or of every token."""
-        from kvserve.kernels import build_kvcache
+        from kvserve.kernels import build_step_metadata
 
-        meta = build_kvcache(
+        meta = build_step_metadata(
             req_to_token=self.req_to_token,
             req_pool_indices=rows,
             prefix_lens=prefix_lens,
