@@ -109,7 +109,6 @@ class StepMetadata:
     num_tokens: int
     max_seq_len: int
     max_extend_len: int
-    max_prefix_len: int
     block_q: int
     num_kv_splits: int
     seq_lens_host: list[int]
@@ -250,7 +249,6 @@ def build_step_metadata(
         num_tokens=num_tokens,
         max_seq_len=max_seq,
         max_extend_len=int(extend.max()),
-        max_prefix_len=int(prefix.max()),
         block_q=block_q,
         num_kv_splits=splits,
         seq_lens_host=seq.tolist(),
