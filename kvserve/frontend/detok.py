@@ -5,8 +5,9 @@
 text ends in U+FFFD (an incomplete UTF-8 character) and so never emits half a character.
 The stream is seeded with the prompt's last tokens, so that decoders which drop the leading
 space of the first token (SentencePiece) decode the first output token as it reads after the
-prompt. Two things DecodeStream leaves to us: a real U+FFFD that the model emitted (it would
-be held until the stream ends), and the text still held when the stream ends.
+prompt. What DecodeStream leaves to us: a real U+FFFD that the model emitted (it would be
+held until the stream ends), a decoder that rewrites text already emitted (byte fallback
+meeting a stray byte), and the text still held when the stream ends.
 `StopMatcher` holds back just enough text to find a stop string that spans token
 boundaries. `TextStream` chains the two.
 
@@ -23,13 +24,15 @@ from typing import Protocol
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-RESEED = 4  # ids kept as decoding context when the stream is restarted
-MAX_PENDING = 32  # held ids after which the held text is released as it decodes
+MAX_HELD = 64  # ids held behind a U+FFFD before a look for text to release (_release_long_hold)
+REPLACEMENT = "\ufffd"
 
 
 class StreamTokenizer(Protocol):
     backend: Tokenizer
     stable_replacement: bool  # a U+FFFD followed by more decoded text never changes
+    silent_ids: frozenset[int]  # ids that decode to nothing (special tokens) ...
+    known_ids: int  # ... and ids at or past this one
 
 
 class IncrementalDetokenizer:
@@ -37,71 +40,134 @@ class IncrementalDetokenizer:
 
     The concatenated deltas equal ``decode(context_ids + ids)[len(decode(context_ids)):]``
     once the stream is flushed, and after every push whose text ends on a whole character.
+
+    State: `_window`, the ids decoded together, of which the first `_ctx` are context whose
+    text is already emitted. On the fast path DecodeStream holds the same window. It cannot
+    hold a window whose emitted text ends in U+FFFD (it would emit that text again), so
+    after a U+FFFD is released, or when DecodeStream finds the emitted text rewritten, the
+    window is decoded here (`_emitted` characters of it sent) until it ends on a whole
+    character again.
     """
+
+    __slots__ = ("_tok", "_stable", "_silent", "_known", "_window", "_ctx", "_emitted", "_stream",
+                 "_hold_limit")
 
     def __init__(self, tok: StreamTokenizer, context_ids: Sequence[int] = ()) -> None:
         self._tok = tok.backend
         self._stable = tok.stable_replacement
-        self._start(list(context_ids))
-
-    def _start(self, context: list[int]) -> None:
-        # Mirrors DecodeStream's own state: `_context` is the chunk it decodes the next text
-        # against (the ids of the last delta), `_pending` what it holds back since.
-        self._stream = DecodeStream(context, skip_special_tokens=True)
-        self._context = context
-        self._pending: list[int] = []
+        self._silent = tok.silent_ids
+        self._known = tok.known_ids
+        self._window: list[int] = self._audible(context_ids)
+        text = self._decode(self._window)
+        self._ctx = len(self._window)
+        self._emitted = len(text)
+        self._stream: DecodeStream | None = None
+        self._hold_limit = MAX_HELD  # held ids at which a long hold is looked at
+        if not text.endswith(REPLACEMENT):
+            self._start_stream()
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Add new token ids; return the text they complete ("" while a character is partial)."""
-        if not token_ids:
-            return ""
-        ids = list(token_ids)
+        window = self._window
+        if len(token_ids) == 1:  # the usual push: one decode step, kept lean
+            step: int | list[int] = token_ids[0]
+            if step >= self._known or step in self._silent:
+                return ""
+            window.append(step)
+        else:
+            step = self._audible(token_ids)
+            if not step:
+                return ""
+            window += step
+        if self._stream is None:
+            return self._advance()
         try:
-            chunk = self._stream.step(self._tok, ids)
-        except Exception:  # tokenizers' bare Exception: the text before the held tail changed
-            self._pending += ids
-            return self._restart(self._pending)
+            chunk = self._stream.step(self._tok, step)
+        except Exception:  # tokenizers' bare Exception: the text already emitted was rewritten
+            return self._leave_fast_path()
         if chunk is not None:
-            self._context = self._pending + ids
-            self._pending = []
+            del window[: self._ctx]
+            self._ctx = len(window)
             return chunk
-        self._pending += ids
-        if len(self._pending) > MAX_PENDING:
-            return self._restart(self._pending)
-        if self._stable and len(self._pending) > 1:
-            return self._release_final_replacement()
+        held = len(window) - self._ctx
+        if held < 2:
+            return ""
+        # Held text of one character is one unfinished character: DecodeStream waits for it.
+        # With more, all but the last are finished, so the U+FFFD among them (a real one, or
+        # bytes that can no longer complete) should go out now: `_advance` releases it.
+        if held >= self._hold_limit or (self._stable and len(self._decode(window[self._ctx :])) > 1):
+            return self._leave_fast_path()
         return ""
 
     def flush(self) -> str:
         """Return the text still held at the end of the stream (an unfinished character decodes to U+FFFD)."""
-        if not self._pending:
+        if self._stream is not None and self._ctx == len(self._window):
             return ""
-        return self._restart(self._pending)
+        if self._stream is not None:
+            self._emitted = len(self._decode(self._window[: self._ctx]))
+        text = self._decode(self._window)
+        delta = text[self._emitted :]
+        self._emitted = len(text)
+        self._stream = None
+        return delta
 
     def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
-    def _restart(self, held: list[int]) -> str:
-        """Emit `held` as it decodes now and restart the stream after it."""
-        ids = self._context + held
-        text = self._decode(ids)
-        delta = text[len(self._decode(self._context)) :]
-        self._start(ids[-RESEED:])
-        return delta
+    def _audible(self, ids: Sequence[int]) -> list[int]:
+        # decode() drops special and unknown ids before its decoder runs, so dropping them
+        # here changes no text, and a run of them cannot grow the window.
+        return [i for i in ids if i < self._known and i not in self._silent]
 
-    def _release_final_replacement(self) -> str:
-        """The held text ends in U+FFFD. When the text before the newest token also ends in
-        U+FFFD and is a strict prefix of the whole, that U+FFFD has been followed by more
-        text, so it is a finished one (a real U+FFFD, or bytes that can no longer complete):
-        emit up to it rather than hold it until the stream ends."""
-        head_ids = self._context + self._pending[:-1]
-        base, head = self._decode(self._context), self._decode(head_ids)
-        text = self._decode(head_ids + self._pending[-1:])
-        if not (len(text) > len(head) > len(base) and text.startswith(head) and head.startswith(base)):
-            return ""
-        newest = self._pending[-1:]
-        self._start(self._pending[:-1])
-        return head[len(base) :] + self.push(newest)
+    def _start_stream(self) -> None:
+        """Hand the window to a new DecodeStream; its text (all emitted) ends on a whole character."""
+        self._stream = DecodeStream(self._window, skip_special_tokens=True)
+        self._ctx = len(self._window)
+        self._hold_limit = MAX_HELD
+
+    def _leave_fast_path(self) -> str:
+        self._emitted = len(self._decode(self._window[: self._ctx]))
+        self._stream = None
+        return self._advance()
+
+    def _advance(self) -> str:
+        """Decode the window here; back to DecodeStream once it ends on a whole character."""
+        text = self._decode(self._window)
+        if not text.endswith(REPLACEMENT):
+            self._start_stream()
+            return text[self._emitted :]
+        if self._stable and len(self._window) > 1:
+            # The text before the newest id ends in U+FFFD too; if the newest id added text
+            # after it, that U+FFFD is finished (a real one, or bytes that can no longer
+            # complete): emit it now instead of at the end of the stream. Then keep only the
+            # last two ids: decoding restarts in step with the full window by then.
+            head = self._decode(self._window[:-1])
+            if len(text) > len(head) > self._emitted and text.startswith(head):
+                delta = head[self._emitted :]
+                del self._window[:-2]
+                self._emitted = len(self._decode(self._window)) - (len(text) - len(head))
+                self._ctx, self._hold_limit = 0, MAX_HELD
+                return delta
+        if len(self._window) - self._ctx >= self._hold_limit:
+            return self._release_long_hold(text)
+        return ""
+
+    def _release_long_hold(self, text: str) -> str:
+        """Many ids held and the text still ends in U+FFFD (on a byte-fallback decoder, where
+        a real U+FFFD looks like an unfinished run of bytes): emit up to the longest prefix of
+        ids whose text ends on a whole character and starts `text`, and hold the rest on the
+        fast path. With none (a run of U+FFFD), hold on, looking again MAX_HELD ids later."""
+        for k in range(len(self._window) - 1, 0, -1):
+            head = self._decode(self._window[:k])
+            if len(head) <= self._emitted:
+                break
+            if not head.endswith(REPLACEMENT) and text.startswith(head):
+                rest = self._window[k:]
+                self._window = self._window[:k]
+                self._start_stream()
+                return head[self._emitted :] + self.push(rest)
+        self._hold_limit = len(self._window) - self._ctx + MAX_HELD
+        return ""
 
 
 class StopMatcher:

@@ -43,6 +43,8 @@ class FrontendTokenizer(Protocol):
     has_chat_template: bool
     backend: Tokenizer  # what the incremental detokenizer streams through
     stable_replacement: bool  # a decoded U+FFFD followed by more text never changes (no ByteFallback)
+    silent_ids: frozenset[int]  # special ids, which decode() drops
+    known_ids: int  # ids at or past this have no token; decode() drops them too
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -55,7 +57,7 @@ class ModelTokenizer:
     """A `tokenizers.Tokenizer` with the model's EOS ids, limits and chat template."""
 
     __slots__ = ("backend", "name", "vocab_size", "eos_token_ids", "max_context_len", "chat",
-                 "cleanup", "stable_replacement")
+                 "cleanup", "stable_replacement", "silent_ids", "known_ids")
 
     def __init__(self, backend: Tokenizer, *, name: str, vocab_size: int, eos_token_ids: Sequence[int],
                  max_context_len: int, chat: ChatTemplate | None, cleanup: bool = False) -> None:
@@ -68,6 +70,8 @@ class ModelTokenizer:
         self.cleanup = cleanup and type(backend.model).__name__ != "BPE"
         decoder = backend.decoder
         self.stable_replacement = decoder is None or b"ByteFallback" not in decoder.__getstate__()
+        self.silent_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+        self.known_ids = backend.get_vocab_size(with_added_tokens=True)
 
     @property
     def has_chat_template(self) -> bool:
