@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from kvserve.config.frontend import FrontendConfig
 from kvserve.messages.frontend_runner import SamplingParams
-from kvserve.model.tokenizer import CHAT_ROLES, FrontendTokenizer
+from kvserve.model.tokenizer import CHAT_ROLES, ChatTemplateError, FrontendTokenizer
 from kvserve.v1 import generator_pb2 as pb
 
 MAX_LOGPROBS = 20
@@ -70,7 +70,10 @@ def prompt_ids(prompt: pb.GenerateRequest | pb.TokenizeRequest, tok: FrontendTok
         if not tok.has_chat_template:
             raise InvalidArgument(f"{oneof}.chat", "the model has no chat template; send text instead")
         add_gen = prompt.chat.add_generation_prompt if prompt.chat.HasField("add_generation_prompt") else True
-        ids = tok.render_chat([(m.role, m.content) for m in msgs], add_gen)
+        try:
+            ids = tok.render_chat([(m.role, m.content) for m in msgs], add_gen)
+        except ChatTemplateError as exc:  # the template refused this chat (raise_exception)
+            raise InvalidArgument(f"{oneof}.chat", str(exc)) from None
     if not ids:
         raise InvalidArgument(oneof, "the prompt tokenizes to no tokens")
     return ids

@@ -6,7 +6,7 @@ import pytest
 
 from kvserve.config.frontend import FrontendConfig
 from kvserve.frontend.validation import InvalidArgument, prepare
-from kvserve.model.tokenizer import ByteTokenizer
+from kvserve.model.tokenizer import ByteTokenizer, ChatTemplateError
 from kvserve.v1 import generator_pb2 as pb
 
 TOK = ByteTokenizer()
@@ -79,3 +79,15 @@ def test_max_prompt_tokens_limits_below_context() -> None:
     cfg = FrontendConfig(tokenizer="bytes", max_prompt_tokens=3)
     with pytest.raises(InvalidArgument, match="^prompt: 4 tokens"):
         prepare(pb.GenerateRequest(text="abcd"), TOK, cfg, context_len=100)
+
+
+class _RefusingTemplate(ByteTokenizer):
+    def render_chat(self, messages, add_generation_prompt):  # type: ignore[override]
+        raise ChatTemplateError("chat: the template says: only user and assistant turns alternate")
+
+
+def test_a_chat_the_template_refuses_is_invalid_argument_on_chat() -> None:
+    req = pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content="x")]))
+    with pytest.raises(InvalidArgument, match="prompt.chat: chat: the template says: only user") as info:
+        prepare(req, _RefusingTemplate(), CFG, 4096)
+    assert info.value.field == "prompt.chat"
