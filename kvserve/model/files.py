@@ -90,15 +90,19 @@ def resolve_model(spec: str | os.PathLike | None) -> Path:
     return path
 
 
-def gguf_fields(path: Path) -> dict:
-    """The GGUF header's metadata; arrays longer than 1024 (vocab, merges) are left out, their
-    length kept under `key + '#len'`."""
+def open_gguf(path: Path):
+    """A `gguf.GGUFReader` over `path` (memory-mapped; nothing is read until asked)."""
     from gguf import GGUFReader  # imported here: reading a header should not cost every caller
 
     try:
-        reader = GGUFReader(str(path), "r")
+        return GGUFReader(str(path), "r")
     except Exception as exc:  # gguf raises ValueError, struct.error, OSError, ...
         raise ModelFileError(f"model {path}: not a readable GGUF file ({exc})") from None
+
+
+def reader_fields(reader) -> dict:
+    """The decoded metadata of a GGUF reader; arrays longer than 1024 (vocab, merges) are left
+    out, their length kept under `key + '#len'`."""
     out: dict = {}
     for name, field in reader.fields.items():
         if len(field.data) > _MAX_ARRAY:
@@ -106,9 +110,14 @@ def gguf_fields(path: Path) -> dict:
             continue
         try:
             out[name] = field.contents()
-        except Exception:
+        except Exception:  # a field type this gguf version cannot decode: not one we use
             continue
     return out
+
+
+def gguf_fields(path: Path) -> dict:
+    """The GGUF header's metadata (see `reader_fields`)."""
+    return reader_fields(open_gguf(path))
 
 
 def gguf_eos_ids(fields: dict) -> list[int]:

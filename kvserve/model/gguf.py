@@ -18,7 +18,7 @@ import torch
 
 from kvserve.model import tokenizer_cache
 from kvserve.model.config import ModelConfig, ModelLoadError, config_from_gguf
-from kvserve.model.files import ModelFileError
+from kvserve.model.files import ModelFileError, open_gguf, reader_fields
 
 _BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
@@ -39,32 +39,20 @@ _TOP_NAMES = {
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 # Families whose llama.cpp conversion permutes Q/K rows (Qwen2 is converted unpermuted).
 _PERMUTED_FAMILIES = ("llama", "mistral")
-_MAX_ARRAY = 1024  # metadata arrays longer than this (vocab, merges) are not decoded
 
 
 def open_reader(path: Path) -> Any:
-    from gguf import GGUFReader
-
+    """The GGUF reader of `path`; ModelLoadError when it is missing or unreadable."""
     if not path.is_file():
         raise ModelLoadError(f"model {path}: no such file")
     try:
-        return GGUFReader(str(path), "r")
-    except Exception as exc:  # gguf raises ValueError, struct.error, OSError, ...
-        raise ModelLoadError(f"model {path}: not a readable GGUF file ({exc})") from None
+        return open_gguf(path)
+    except ModelFileError as exc:
+        raise ModelLoadError(str(exc)) from None
 
 
-def read_fields(reader: Any) -> dict[str, Any]:
-    """Decoded metadata; long arrays are left out, their length kept under `key + '#len'`."""
-    out: dict[str, Any] = {}
-    for name, field in reader.fields.items():
-        if len(field.data) > _MAX_ARRAY:
-            out[name + "#len"] = len(field.data)
-            continue
-        try:
-            out[name] = field.contents()
-        except Exception:  # a field type this gguf version cannot decode: not one we use
-            continue
-    return out
+read_fields = reader_fields
+"""Decoded metadata of a reader (the one header reader, `kvserve.model.files`)."""
 
 
 def hf_name(gguf_name: str) -> str | None:
