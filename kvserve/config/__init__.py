@@ -220,6 +220,16 @@ def add_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, name: st
         parser.add_argument(flag_name(name), dest=name, default=None, metavar=name.upper(), help=text)
 
 
+def process_parser(prog: str, description: str, cls: type, section: str) -> argparse.ArgumentParser:
+    """The command line of one process: ``--config FILE`` (its ``[section]`` table) and one
+    flag per field of `cls`."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--config", default=None, help=f"TOML file with a [{section}] table "
+                                                       f"(default: ${CONFIG_ENV})")
+    add_dataclass_flags(parser, cls)
+    return parser
+
+
 def add_dataclass_flags(
     parser: argparse.ArgumentParser | argparse._ArgumentGroup,
     cls: type,

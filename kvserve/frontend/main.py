@@ -24,7 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvserve import sdnotify
-from kvserve.config import ConfigError, add_dataclass_flags, config_from_args
+from kvserve.config import ConfigError, config_from_args, process_parser
 from kvserve.config.frontend import FrontendConfig
 from kvserve.frontend.dispatch import Dispatcher
 from kvserve.frontend.grpc_service import GeneratorService
@@ -43,10 +43,7 @@ HEALTH_NAMES = ("", SERVICE_NAME)
 _OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvserve frontend", description=__doc__.split("\n\n")[0])
-    add_dataclass_flags(parser, FrontendConfig)
-    parser.add_argument("--config", default=None, help="TOML file with a [frontend] table")
-    return parser
+    return process_parser("kvserve frontend", __doc__.split("\n\n")[0], FrontendConfig, "frontend")
 
 
 class _AuthInterceptor(grpc.aio.ServerInterceptor):

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from kvserve import sdnotify
-from kvserve.config import ConfigError, add_dataclass_flags, config_from_args
+from kvserve.config import ConfigError, config_from_args, process_parser
 from kvserve.config.devices import resolve_device, resolve_dtype
 from kvserve.config.memsvc import MemsvcConfig
 from kvserve.memsvc.shape import resolve_shape
@@ -114,10 +114,7 @@ class MemsvcServer:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvserve memsvc", description="Run the KV memory service.")
-    parser.add_argument("--config", default=None, help="TOML file with a [memsvc] table")
-    add_dataclass_flags(parser, MemsvcConfig)
-    return parser
+    return process_parser("kvserve memsvc", "Run the KV memory service.", MemsvcConfig, "memsvc")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,7 @@ from typing import Any
 import zmq
 
 from kvserve import sdnotify
-from kvserve.config import ConfigError, add_dataclass_flags, config_from_args
+from kvserve.config import ConfigError, config_from_args, process_parser
 from kvserve.config.devices import resolve_device, resolve_dtype
 from kvserve.config.runner import RunnerConfig, resolve_backend
 from kvserve.messages.frontend_runner import (
@@ -297,10 +297,7 @@ class Worker:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvserve runner", description="Run one runner worker.")
-    parser.add_argument("--config", default=None, help="TOML config file ([runner] table)")
-    add_dataclass_flags(parser, RunnerConfig)
-    return parser
+    return process_parser("kvserve runner", "Run one runner worker.", RunnerConfig, "runner")
 
 
 def main(argv: list[str] | None = None) -> int:
