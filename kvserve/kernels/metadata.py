@@ -158,25 +158,10 @@ def choose_num_kv_splits(
     return max(1, min(max_splits, by_len, by_occupancy))
 
 
-def build_step_metadata(
-    *,
-    req_to_token: torch.Tensor,
-    req_pool_indices: IntsLike,
-    prefix_lens: IntsLike,
-    extend_lens: IntsLike,
-    num_q_heads: int,
-    head_dim: int,
-    device: torch.device | str,
-    workspace: DecodeWorkspace | None = None,
-    num_kv_heads: int | None = None,
-    block_q: int = DEFAULT_BLOCK_Q,
-) -> StepMetadata:
-    """Build the metadata of one batch (see docs/interfaces.md, "Attention backend").
-
-    Raises ValueError naming the field when lengths disagree, a length is negative, a
-    request has no new token, or a sequence does not fit in `req_to_token`.
-    """
-    device = torch.device(device)
+def _checked_lengths(req_to_token: torch.Tensor, req_pool_indices: IntsLike, prefix_lens: IntsLike,
+                     extend_lens: IntsLike) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The step's rows, prefix and extend lengths as host int64 tensors, checked against
+    each other and against `req_to_token`; ValueError names what is wrong."""
     rows = _host_ints("req_pool_indices", req_pool_indices)
     prefix = _host_ints("prefix_lens", prefix_lens)
     extend = _host_ints("extend_lens", extend_lens)
@@ -198,6 +183,31 @@ def build_step_metadata(
         raise ValueError(f"req_pool_indices out of range [0, {max_rows}): {rows.tolist()}")
     if int(seq.max()) > max_ctx:
         raise ValueError(f"seq_len {int(seq.max())} exceeds max_context_len {max_ctx}")
+    return rows, prefix, extend
+
+
+def build_step_metadata(
+    *,
+    req_to_token: torch.Tensor,
+    req_pool_indices: IntsLike,
+    prefix_lens: IntsLike,
+    extend_lens: IntsLike,
+    num_q_heads: int,
+    head_dim: int,
+    device: torch.device | str,
+    workspace: DecodeWorkspace | None = None,
+    num_kv_heads: int | None = None,
+    block_q: int = DEFAULT_BLOCK_Q,
+) -> StepMetadata:
+    """Build the metadata of one batch (see docs/interfaces.md, "Attention backend").
+
+    Raises ValueError naming the field when lengths disagree, a length is negative, a
+    request has no new token, or a sequence does not fit in `req_to_token`.
+    """
+    device = torch.device(device)
+    rows, prefix, extend = _checked_lengths(req_to_token, req_pool_indices, prefix_lens, extend_lens)
+    b = rows.numel()
+    seq = prefix + extend
 
     zero = torch.zeros(1, dtype=torch.int64)
     qo_indptr = torch.cat([zero, extend.cumsum(0)])
