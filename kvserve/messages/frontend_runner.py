@@ -2,7 +2,8 @@
 
 Topology: the frontend binds a ROUTER socket (``ipc://<runtime>/frontend.sock`` by
 default); each runner connects a DEALER whose identity is its ``runner_id`` and says
-`Hello` first, then `RunnerStatus` at least every `STATUS_INTERVAL_S` seconds.
+`Hello` first, then `RunnerStatus` at least every `STATUS_INTERVAL_S` seconds and its
+`Hello` again every `HELLO_INTERVAL_S` (so that a restarted frontend learns of it).
 
 Down (frontend -> runner): `GenerateReq`, `AbortReq`.
 Up (runner -> frontend): `Hello`, `RunnerStatus`, `TokenBatch` (one per scheduler step,
@@ -22,6 +23,9 @@ import msgspec
 
 from kvserve.wire import Codec, Item, Message
 
+HELLO_INTERVAL_S = 1.0
+"""A runner repeats its Hello this often; a frontend that knows the runner's pid only
+refreshes it, one that does not (restarted, or it dropped a stalled runner) registers it."""
 STATUS_INTERVAL_S = 0.25
 """A runner sends RunnerStatus at least this often; the frontend declares it dead after
 `RUNNER_TIMEOUT_S` of silence (or at once when its local pid is gone)."""

@@ -31,6 +31,7 @@ from kvserve.config.devices import resolve_device, resolve_dtype
 from kvserve.config.runner import RunnerConfig, resolve_backend
 from kvserve.messages.frontend_runner import (
     DOWN,
+    HELLO_INTERVAL_S,
     STATUS_INTERVAL_S,
     UP,
     AbortReq,
@@ -163,9 +164,8 @@ class Worker:
                 log.warning("frontend not reachable: dropped a %s", type(msg).__name__)
 
     def _hello(self) -> None:
-        layout = self.mem.layout
         self._send(Hello(runner_id=self.cfg.runner_id, pid=os.getpid(),
-                         max_context_len=layout.max_context_len))
+                         max_context_len=self.sched.max_context_len))
 
     def _status(self) -> RunnerStatus:
         s, mem = self.sched, self.mem
@@ -174,8 +174,15 @@ class Worker:
                             memsvc_ok=mem is not None)
 
     def _status_loop(self) -> None:
+        """RunnerStatus every ~0.2 s, and the Hello again every HELLO_INTERVAL_S: a frontend
+        that restarted (or dropped this runner after a stall) registers it again; one that
+        knows this pid only refreshes it."""
+        last_hello = time.monotonic()
         while not self.stopping.wait(STATUS_INTERVAL_S * 0.8):
             self._send(self._status())
+            if time.monotonic() - last_hello >= HELLO_INTERVAL_S:
+                self._hello()
+                last_hello = time.monotonic()
 
     def _receive(self, timeout_ms: int) -> None:
         """Wait up to `timeout_ms` for frames from the frontend, then take all that are there."""

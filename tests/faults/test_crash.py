@@ -102,6 +102,27 @@ def test_memsvc_kill9_runner_reattaches_frontend_survives(svc: Service) -> None:
     assert st.slots_request == 0 and st.invariant_violations == 0, st
 
 
+def test_frontend_kill9_restarted_and_runners_register_again(svc: Service) -> None:
+    """serve restarts a killed frontend; the runners, which never restarted, register with
+    the new one by their repeated Hello (the service used to stay UNAVAILABLE for good)."""
+    before = svc.pids()
+    os.kill(before["frontend"], signal.SIGKILL)
+    start = time.monotonic()
+    end = start + 30
+    while True:
+        try:
+            out = list(svc.stub.Generate(greedy("after the frontend crash", 4), timeout=10))
+            break
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < end, exc
+            time.sleep(0.25)
+    print(f"serving again {time.monotonic() - start:.1f} s after the frontend's kill -9")
+    assert out[-1].usage.completion_tokens == 4
+    after = svc.pids()
+    assert after["frontend"] != before["frontend"] and after["runner"] == before["runner"]
+    assert after["memsvc"] == before["memsvc"]
+
+
 def _load_waiting(svc: Service) -> int:
     return max((r.waiting for r in svc.stub.GetLoad(pb.GetLoadRequest(), timeout=5).runners), default=0)
 
