@@ -66,6 +66,17 @@ def test_runner_kill9_unavailable_lease_reclaimed_restart_hits_cache(svc: Servic
         [t for m in warm for t in m.token_ids]
 
 
+def _generate_until_served(svc: Service, text: str, *, within_s: float, timeout: float) -> list:
+    """A 4-token greedy Generate, retried while it is UNAVAILABLE, for at most `within_s`."""
+    end = time.monotonic() + within_s
+    while True:
+        try:
+            return list(svc.stub.Generate(greedy(text, 4), timeout=timeout))
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < end, exc
+            time.sleep(0.25)
+
+
 def test_memsvc_kill9_runner_reattaches_frontend_survives(svc: Service) -> None:
     before = svc.pids()
     names_before = sorted(p.name for p in svc.runtime.iterdir())
@@ -79,14 +90,8 @@ def test_memsvc_kill9_runner_reattaches_frontend_survives(svc: Service) -> None:
     assert stream.code == grpc.StatusCode.UNAVAILABLE, (stream.code, stream.details, len(stream.tokens))
     assert "memsvc" in stream.details
     assert svc.wait_serving(90)
-    end = time.monotonic() + 90
-    while True:  # the runner re-attaches on its own schedule: retry until a request passes
-        try:
-            out = list(svc.stub.Generate(greedy("after the memsvc crash", 4), timeout=30))
-            break
-        except grpc.RpcError as exc:
-            assert exc.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < end, exc
-            time.sleep(0.5)
+    # the runner re-attaches on its own schedule: retry until a request passes
+    out = _generate_until_served(svc, "after the memsvc crash", within_s=90, timeout=30)
     assert out[-1].usage.completion_tokens == 4
     after = svc.pids()
     assert after["frontend"] == before["frontend"] and after["runner"] == before["runner"]
@@ -108,14 +113,7 @@ def test_frontend_kill9_restarted_and_runners_register_again(svc: Service) -> No
     before = svc.pids()
     os.kill(before["frontend"], signal.SIGKILL)
     start = time.monotonic()
-    end = start + 30
-    while True:
-        try:
-            out = list(svc.stub.Generate(greedy("after the frontend crash", 4), timeout=10))
-            break
-        except grpc.RpcError as exc:
-            assert exc.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < end, exc
-            time.sleep(0.25)
+    out = _generate_until_served(svc, "after the frontend crash", within_s=30, timeout=10)
     print(f"serving again {time.monotonic() - start:.1f} s after the frontend's kill -9")
     assert out[-1].usage.completion_tokens == 4
     after = svc.pids()
