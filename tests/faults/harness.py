@@ -38,6 +38,7 @@ class Stream:
         self.code: grpc.StatusCode | None = None
         self.details = ""
         self.first = threading.Event()
+        self.first_at = 0.0  # time.monotonic() of the first token (0.0: none yet)
         self.ended_at = 0.0
         self._thread = threading.Thread(target=self._consume, daemon=True)
         self._thread.start()
@@ -48,7 +49,8 @@ class Stream:
                 self.tokens.extend(msg.token_ids)
                 self.text += msg.text
                 self.last = msg
-                if self.tokens:
+                if self.tokens and not self.first_at:
+                    self.first_at = time.monotonic()
                     self.first.set()
             self.code = grpc.StatusCode.OK
         except grpc.RpcError as exc:

@@ -15,8 +15,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvserve.v1 import generator_pb2 as pb
-
 from .harness import Service, Stream, greedy, memfd_mappings, start_serve, stop_serve
 
 pytestmark = pytest.mark.timeout(240)
@@ -121,21 +119,17 @@ def test_frontend_kill9_restarted_and_runners_register_again(svc: Service) -> No
     assert after["memsvc"] == before["memsvc"]
 
 
-def _load_waiting(svc: Service) -> int:
-    return max((r.waiting for r in svc.stub.GetLoad(pb.GetLoadRequest(), timeout=5).runners), default=0)
-
-
 def test_reserve_pool_exhausted_queues_and_matches_solo(svc: Service) -> None:
     # each request reserves 100 + 80 slots: two fit in the 384-slot pool, the third waits
-    # for one of them to finish (80 decode steps: long enough for the 0.25 s load reports)
+    # for one of them to finish, so its first token comes after another stream's end
     reqs = [greedy(f"{i}" * 100, 80) for i in range(3)]
     streams = [Stream(svc.stub, r, timeout=120) for r in reqs]
-    waited = 0
-    while not all(s.code is not None for s in streams):
-        waited = max(waited, _load_waiting(svc))
-        time.sleep(0.05)
+    for s in streams:
+        assert s.join(120)
     assert all(s.code == grpc.StatusCode.OK for s in streams), [(s.code, s.details) for s in streams]
-    assert waited >= 1, "no request ever waited: the pool was not exhausted"
+    last = max(streams, key=lambda s: s.first_at)
+    assert last.first_at > min(s.ended_at for s in streams if s is not last), \
+        "every request started before any ended: the pool was not exhausted"
     for req, s in zip(reqs, streams, strict=True):
         assert len(s.tokens) == 80 and s.last.finish_reason == "length"
         solo = [t for m in svc.stub.Generate(req, timeout=60) for t in m.token_ids]
