@@ -36,6 +36,9 @@ class FrontendConfig:
     max_stop_len: int = option(256, help="longest stop string (characters)")
     drain_timeout_s: float = option(10.0, help="seconds to let open streams finish on SIGTERM")
     runner_timeout_s: float = option(1.5, help="seconds of runner silence before it counts as dead")
+    request_inactivity_timeout_s: float = option(
+        120.0, help="seconds a Generate call may wait for its next output before it fails "
+                    "UNAVAILABLE (0 = wait as long as the client's deadline)")
     tls_cert: str = option("", help="PEM certificate chain for TLS (with --tls-key)")
     tls_key: str = option("", help="PEM private key for TLS (with --tls-cert)")
     auth_token_file: str = option("", help="file holding the bearer token clients must send "
@@ -53,6 +56,9 @@ class FrontendConfig:
             "max_concurrent_streams", "max_waiting", "max_stop_strings", "max_stop_len",
             "drain_timeout_s", "runner_timeout_s",
         )
+        if self.request_inactivity_timeout_s < 0:
+            raise ConfigError("--request-inactivity-timeout-s: must be >= 0, got "
+                              f"{self.request_inactivity_timeout_s}")
         if self.max_prompt_tokens < 0:
             raise ConfigError(f"--max-prompt-tokens: must be >= 0, got {self.max_prompt_tokens}")
         if bool(self.tls_cert) != bool(self.tls_key):

@@ -44,7 +44,11 @@ class MemsvcConfig:
     metrics_port: int = option(9401, help="Prometheus port (0 = off)")
     metrics_host: str = option("127.0.0.1", help="address the metrics port binds to")
     device: str = option("cpu", help="where the pool lives: cpu, cuda, cuda:N or auto")
-    lease_timeout_s: float = option(1.5, help="seconds a runner's lease lives without a step message")
+    lease_timeout_s: float = option(1.5, help="seconds a runner's lease lives without a step message "
+                                              "or heartbeat (its TTL; the runner stops writing KV then)")
+    lease_grace_s: float = option(0.5, help="seconds past a lease's TTL before memsvc reclaims it")
+    reclaim_quarantine_s: float = option(2.0, help="seconds an expired lease's slots stay out of use "
+                                                   "after the reclaim (longer than one layer's step)")
     runtime_dir: str | None = option(None, help="directory of ipc sockets "
                                                 "(default: kvserve.paths.runtime_dir())")
     allow_remote: bool = option(False, help="allow a tcp:// --address that is not loopback "
@@ -68,6 +72,7 @@ class MemsvcConfig:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ConfigError(f"--page-size: must be a power of two >= 1, got {self.page_size}")
         check_port("metrics_port", self.metrics_port, allow_zero=True)
-        check_positive(self, "lease_timeout_s", "integrity_interval_s")
+        check_positive(self, "lease_timeout_s", "lease_grace_s", "reclaim_quarantine_s",
+                       "integrity_interval_s")
         if self.address is not None:
             check_address(self.address, name="address", allow_remote=self.allow_remote)

@@ -2,9 +2,21 @@
 
 `Dispatcher` binds the ROUTER the runners connect to, decodes their `Hello`,
 `RunnerStatus` and `TokenBatch` messages (kvserve.messages.frontend_runner), keeps the `Router`
-up to date, delivers each `TokenOut` to its request's asyncio queue, and sends
-`GenerateReq` / `AbortReq` down. When a runner dies, its requests that have streamed
-nothing yet are retried on another live runner; the others get a `Failure`.
+up to date, delivers each `TokenOut` to its request's bounded asyncio queue, and sends
+`GenerateReq` / `AbortReq` down.
+
+Ownership: each attempt to run a request has a wire id of its own, unique to this
+frontend incarnation (`<incarnation>:<seq>.<attempt>`), and is assigned to one runner.
+Outputs are taken only from that runner for that wire id; any other output is dropped,
+counted (`late`: the attempt is over or never was; `not_owner`: another runner holds it)
+and, if the runner is still working on it, answered with an `AbortReq`. So a zombie
+runner's tokens never reach a retried request, and a client that reuses a request id
+never races its previous run.
+
+When a runner dies, its requests that have streamed nothing are retried once on another
+live runner; the others get a `Failure` (UNAVAILABLE). A request in flight on two runners
+that both died is failed with INTERNAL rather than offered to a third: it may be what
+crashes them.
 
 Knows nothing about gRPC, text or tokenizers.
 """
@@ -13,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,17 +53,31 @@ from kvserve.wire import WireError
 log = logging.getLogger("kvserve.frontend")
 
 REAP_INTERVAL_S = 0.1
+QUEUE_LIMIT = 4096
+"""Outputs one request may have waiting for its client; past that the client is not
+reading and the request fails with RESOURCE_EXHAUSTED (nothing grows without bound)."""
+MAX_RUNNER_DEATHS = 2
+"""A request in flight on this many runners that died is failed with INTERNAL."""
 
 
 class NoRunner(RuntimeError):
     """No live runner can take the request."""
 
 
+class Code:
+    """Names of the gRPC status codes a `Failure` asks for (this module knows no gRPC)."""
+
+    UNAVAILABLE = "UNAVAILABLE"
+    INTERNAL = "INTERNAL"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+
+
 @dataclass(frozen=True, slots=True)
 class Failure:
-    """Queue event: the request cannot go on (its runner died)."""
+    """Queue event: the request cannot go on; `code` names the status it ends with."""
 
     message: str
+    code: str = Code.UNAVAILABLE
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,13 +92,16 @@ Event = TokenOut | Failure | UserAbort
 class Pending:
     """One request the frontend sent to a runner."""
 
-    request_id: str
+    request_id: str  # the client's
+    wire_id: str  # the current attempt's, on the runner link
     token_ids: list[int]
     params: SamplingParams
     arrival: float
-    queue: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[Event] = field(default_factory=lambda: asyncio.Queue(QUEUE_LIMIT))
     streamed: bool = False
     tried: set[str] = field(default_factory=set)
+    deaths: int = 0  # runners that died while running it
+    runner_id: str = ""
 
 
 class Dispatcher:
@@ -79,73 +109,115 @@ class Dispatcher:
 
     def __init__(self, address: str, router: Router,
                  on_runners_changed: Callable[[int], None] = lambda n: None,
-                 on_bad_message: Callable[[str], None] = lambda reason: None) -> None:
+                 on_bad_message: Callable[[str], None] = lambda reason: None,
+                 on_dropped_output: Callable[[str], None] = lambda reason: None,
+                 on_fatal: Callable[[BaseException], None] = lambda exc: None) -> None:
         self.address = address
         self.router = router
-        self.pending: dict[str, Pending] = {}
+        self.incarnation = secrets.token_hex(4)
+        self.pending: dict[str, Pending] = {}  # by the client's request id
+        self._by_wire: dict[str, Pending] = {}
+        self._seq = 0
         self._on_change = on_runners_changed
         self._on_bad = on_bad_message  # "malformed" | "protocol"
+        self._on_dropped = on_dropped_output  # "late" | "not_owner"
+        self._on_fatal = on_fatal
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable send raises, never vanishes
         self._tasks: list[asyncio.Task] = []
         self._live = 0
 
     def start(self) -> None:
         """Bind the socket (an ipc:// socket file is owner-only, 0600) and start the receive
-        and liveness loops (needs a running loop)."""
+        and liveness loops (needs a running loop). Either loop ending is fatal: `on_fatal`."""
         bind_private(self._sock, self.address)
-        self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._reap_loop())]
+        self._tasks = [asyncio.create_task(self._recv_loop(), name="dispatcher-recv"),
+                       asyncio.create_task(self._reap_loop(), name="dispatcher-reap")]
+        for task in self._tasks:
+            task.add_done_callback(self._task_ended)
+
+    def _task_ended(self, task: asyncio.Task) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception() or RuntimeError(f"{task.get_name()} returned")
+        log.critical("internal task %s ended: %r", task.get_name(), exc, exc_info=exc)
+        self._on_fatal(exc)
+
+    def healthy(self) -> bool:
+        """True while the receive and liveness loops run (the watchdog is fed only then)."""
+        return bool(self._tasks) and not any(t.done() for t in self._tasks)
 
     async def close(self) -> None:
         for task in self._tasks:
+            task.remove_done_callback(self._task_ended)
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._sock.close(0)
         self._ctx.term()
 
+    # ---- requests down -----------------------------------------------------------------
     def submit(self, request_id: str, token_ids: list[int], params: SamplingParams) -> Pending:
         """Send a request to the least-loaded live runner; raise NoRunner when there is none."""
-        p = Pending(request_id=request_id, token_ids=token_ids, params=params, arrival=time.time())
+        self._seq += 1
+        p = Pending(request_id=request_id, wire_id=f"{self.incarnation}:{self._seq}", token_ids=token_ids,
+                    params=params, arrival=time.time())
         self._send_to_runner(p)
         self.pending[request_id] = p
         return p
 
     def _send_to_runner(self, p: Pending) -> None:
-        st = self.router.pick(exclude=frozenset(p.tried))
-        if st is None:
-            raise NoRunner("no live runner")
-        p.tried.add(st.runner_id)
-        self.router.assign(p.request_id, st.runner_id)
-        msg = GenerateReq(request_id=p.request_id, token_ids=p.token_ids, params=p.params, arrival_time=p.arrival)
-        self._send(st.runner_id, DOWN.encode(msg))
+        """Start a new attempt of `p` on a live runner it has not tried (NoRunner: none)."""
+        while True:
+            st = self.router.pick(exclude=frozenset(p.tried))
+            if st is None:
+                raise NoRunner("no live runner")
+            p.tried.add(st.runner_id)
+            p.wire_id = f"{p.wire_id.split('.')[0]}.{len(p.tried)}"
+            p.runner_id = st.runner_id
+            msg = GenerateReq(request_id=p.wire_id, token_ids=p.token_ids, params=p.params,
+                              arrival_time=p.arrival)
+            if self._send(st.runner_id, DOWN.encode(msg)):
+                self.router.assign(p.wire_id, st.runner_id)
+                self._by_wire[p.wire_id] = p
+                return
 
-    def _send(self, runner_id: str, frame: bytes) -> None:
+    def _send(self, runner_id: str, frame: bytes) -> bool:
+        """False when the runner cannot be reached now (not connected, or its queue full)."""
         try:
             self._sock.send_multipart([runner_id.encode(), frame], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # runner gone or its queue full: liveness will notice
-            log.warning("send to %s failed: %s", runner_id, exc)
+            return True
+        except zmq.ZMQError as exc:
+            log.warning("send to runner %s failed: %s", runner_id, exc)
+            return False
 
-    def abort(self, request_id: str) -> None:
-        """Tell the runner to drop `request_id` (if it still runs it) and forget the request."""
-        self.pending.pop(request_id, None)
-        runner_id = self.router.release(request_id)
+    def _forget(self, p: Pending) -> str | None:
+        """Forget `p`; return the runner of its current attempt if it may still run it."""
+        if self.pending.get(p.request_id) is p:
+            del self.pending[p.request_id]
+        self._by_wire.pop(p.wire_id, None)
+        return self.router.release(p.wire_id)
+
+    def abort(self, p: Pending) -> None:
+        """Tell the runner to drop `p` (if it still runs it) and forget the request."""
+        runner_id = self._forget(p)
         if runner_id is not None and runner_id in self.router.runners:
-            self._send(runner_id, DOWN.encode(AbortReq(request_id=request_id)))
+            self._send(runner_id, DOWN.encode(AbortReq(request_id=p.wire_id)))
 
-    def finish(self, request_id: str) -> None:
+    def finish(self, p: Pending) -> None:
         """Forget a request the runner has finished on its own."""
-        self.pending.pop(request_id, None)
-        self.router.release(request_id)
+        self._forget(p)
 
     def user_abort(self, request_id: str) -> bool:
         p = self.pending.get(request_id)
         if p is None:
             return False
-        p.queue.put_nowait(UserAbort())
+        self._deliver(p, UserAbort())
         return True
 
+    # ---- messages up -------------------------------------------------------------------
     async def _recv_loop(self) -> None:
         while True:
             frames = await self._sock.recv_multipart()
@@ -176,18 +248,41 @@ class Dispatcher:
             if msg.protocol != PROTOCOL_VERSION:
                 self._refuse(msg.runner_id, msg.protocol)
                 return
-            log.info("runner %s (pid %d) connected", msg.runner_id, msg.pid)
+            if msg.runner_id not in self.router.runners:
+                log.info("runner %s (pid %d) connected", msg.runner_id, msg.pid)
             self._fail(msg.runner_id, self.router.hello(msg, now))
         elif isinstance(msg, RunnerStatus):
             self.router.status(msg, now)
         else:
             self.router.seen(msg.runner_id, now)
             for out in msg.outputs:
-                p = self.pending.get(out.request_id)
-                if p is not None:
-                    p.streamed = True
-                    p.queue.put_nowait(out)
+                self._take(msg.runner_id, out)
         self._notify()
+
+    def _take(self, runner_id: str, out: TokenOut) -> None:
+        """Deliver `out` if `runner_id` owns its attempt; else drop it, count it, and abort
+        the attempt in that runner if it still runs there."""
+        p = self._by_wire.get(out.request_id)
+        if p is not None and self.router.owner.get(out.request_id) == runner_id:
+            p.streamed = p.streamed or bool(out.token_ids)
+            self._deliver(p, out)
+            return
+        reason = "late" if p is None else "not_owner"
+        self._on_dropped(reason)
+        log.info("dropped an output of %s from runner %s (%s)", out.request_id, runner_id, reason)
+        if not out.finish_reason:
+            self._send(runner_id, DOWN.encode(AbortReq(request_id=out.request_id)))
+
+    def _deliver(self, p: Pending, event: Event) -> None:
+        try:
+            p.queue.put_nowait(event)
+        except asyncio.QueueFull:
+            # the client does not read: fail the call rather than queue without bound
+            while not p.queue.empty():
+                p.queue.get_nowait()
+            p.queue.put_nowait(Failure(f"the client did not read its stream ({QUEUE_LIMIT} outputs waited)",
+                                       Code.RESOURCE_EXHAUSTED))
+            self.abort(p)
 
     def _notify(self) -> None:
         n = len(self.router.runners)
@@ -203,10 +298,17 @@ class Dispatcher:
                 self._fail(runner_id, lost)
             self._notify()
 
-    def _fail(self, runner_id: str, request_ids: set[str]) -> None:
-        for request_id in request_ids:
-            p = self.pending.get(request_id)
+    def _fail(self, runner_id: str, wire_ids: set[str]) -> None:
+        """`runner_id` died with these attempts in flight: retry or fail each request."""
+        for wire_id in wire_ids:
+            p = self._by_wire.pop(wire_id, None)
             if p is None:
+                continue
+            p.deaths += 1
+            if p.deaths >= MAX_RUNNER_DEATHS:
+                log.error("request %s was in flight on %d runners that died; failing it", p.request_id, p.deaths)
+                self._deliver(p, Failure(f"the request was in flight on {p.deaths} runners that died "
+                                         "(it may be what crashes them); not retried", Code.INTERNAL))
                 continue
             if not p.streamed:
                 try:
@@ -214,4 +316,4 @@ class Dispatcher:
                     continue
                 except NoRunner:
                     pass
-            p.queue.put_nowait(Failure(f"runner {runner_id} went away while serving the request"))
+            self._deliver(p, Failure(f"runner {runner_id} went away while serving the request"))

@@ -10,6 +10,7 @@ Knows gRPC and the proto; knows nothing about ZMQ framing or process management.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -90,7 +91,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                 yield response
         finally:
             if not call.done:
-                self.dispatcher.abort(call.request_id)
+                self.dispatcher.abort(call.pending)
             self.active -= 1
             if call.first:
                 self.waiting -= 1
@@ -135,11 +136,11 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         """One response per runner output until the request finishes, stops or is aborted."""
         request_id, stream = call.request_id, call.stream
         while True:
-            event = await call.pending.queue.get()
+            event = await self._next_event(call)
             if isinstance(event, Failure):
-                await self._fail(context, grpc.StatusCode.UNAVAILABLE, event.message)
+                await self._fail(context, grpc.StatusCode[event.code], event.message)
             if isinstance(event, UserAbort):
-                self.dispatcher.abort(request_id)
+                self.dispatcher.abort(call.pending)
                 call.done = True
                 yield self._final(request_id, [], stream.finish(), FinishReason.ABORT, call.usage, None)
                 return
@@ -150,18 +151,31 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             self._observe(call, out)
             text, stopped = stream.push(out.token_ids)
             if stopped:
-                self.dispatcher.abort(request_id)
+                self.dispatcher.abort(call.pending)
                 call.done = True
                 yield self._final(request_id, out, text, FinishReason.STOP, call.usage, call.arrival)
                 return
             if out.finish_reason:
-                self.dispatcher.finish(request_id)
+                self.dispatcher.finish(call.pending)
                 call.done = True
                 yield self._final(request_id, out, text + stream.finish(), out.finish_reason, call.usage,
                                   call.arrival)
                 return
             yield pb.GenerateResponse(request_id=request_id, token_ids=out.token_ids, text=text,
                                       logprobs=_logprobs(out))
+
+    async def _next_event(self, call: _Call) -> TokenOut | Failure | UserAbort:
+        """The request's next event; a `Failure` once no output came for the configured
+        inactivity timeout (so no call waits forever on a runner that went quiet)."""
+        limit = self.cfg.request_inactivity_timeout_s
+        if not limit:
+            return await call.pending.queue.get()
+        try:
+            async with asyncio.timeout(limit):
+                return await call.pending.queue.get()
+        except TimeoutError:
+            runner = call.pending.runner_id or "no runner"
+            return Failure(f"no output for {limit:g} s (request_inactivity_timeout_s) from {runner}")
 
     def _observe(self, call: _Call, out: TokenOut) -> None:
         """Latency and token metrics of one runner output; the call's usage."""

@@ -114,8 +114,17 @@ async def _serve(cfg: FrontendConfig) -> int:
             loop.create_task(health_servicer.set(name, status))
         live.set() if n else live.clear()
 
+    stop = asyncio.Event()
+    fatal: list[BaseException] = []
+
+    def on_fatal(exc: BaseException) -> None:
+        fatal.append(exc)
+        stop.set()
+
     dispatcher = Dispatcher(address, Router(timeout_s=cfg.runner_timeout_s), on_runners,
-                            lambda reason: metrics.bad_messages.labels(reason=reason).inc())
+                            lambda reason: metrics.bad_messages.labels(reason=reason).inc(),
+                            lambda reason: metrics.dropped_outputs.labels(reason=reason).inc(),
+                            on_fatal)
     service = GeneratorService(cfg, tok, dispatcher, metrics)
     pb_grpc.add_GeneratorServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -128,10 +137,9 @@ async def _serve(cfg: FrontendConfig) -> int:
     await server.start()
     print(f"frontend listening on {cfg.host}:{port}, runners connect to {address}", flush=True)
 
-    stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    watchdog = asyncio.create_task(_watchdog())
+    watchdog = asyncio.create_task(_watchdog(dispatcher))
     ready = asyncio.create_task(_ready_when_live(live, port))
     await stop.wait()
 
@@ -151,6 +159,9 @@ async def _serve(cfg: FrontendConfig) -> int:
     metrics_server.shutdown()
     if address.startswith("ipc://"):
         Path(address[len("ipc://"):]).unlink(missing_ok=True)
+    if fatal:
+        print(f"kvserve frontend: an internal task died: {fatal[0]!r}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -160,12 +171,14 @@ async def _ready_when_live(live: asyncio.Event, port: int) -> None:
     sdnotify.notify("READY=1")
 
 
-async def _watchdog() -> None:
+async def _watchdog(dispatcher: Dispatcher) -> None:
+    """Feed systemd's watchdog while the event loop turns and the dispatcher's loops live."""
     interval = sdnotify.watchdog_interval_s()
     if interval is None:
         return
     while True:
-        sdnotify.notify("WATCHDOG=1")
+        if dispatcher.healthy():
+            sdnotify.notify("WATCHDOG=1")
         await asyncio.sleep(interval)
 
 

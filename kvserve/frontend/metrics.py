@@ -19,6 +19,7 @@ ITL_BUCKETS: tuple[float, ...] = (
     0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
 )
 BAD_MESSAGE_REASONS = ("malformed", "protocol")
+DROPPED_OUTPUT_REASONS = ("late", "not_owner")
 FINISH_REASONS = ("stop", "length", "abort", "error")
 ERROR_CODES = (
     "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "UNAVAILABLE", "CANCELLED", "DEADLINE_EXCEEDED",
@@ -44,6 +45,7 @@ class FrontendMetrics:
     waiting: Gauge = field(init=False)
     runners_live: Gauge = field(init=False)
     bad_messages: Counter = field(init=False)
+    dropped_outputs: Counter = field(init=False)
     info: Info = field(init=False)
 
     def __post_init__(self) -> None:
@@ -101,6 +103,13 @@ class FrontendMetrics:
         )
         for reason in BAD_MESSAGE_REASONS:
             self.bad_messages.labels(reason=reason)
+        self.dropped_outputs = Counter(
+            "kvserve_frontend_dropped_outputs",
+            "Runner outputs not delivered: the attempt was over (late) or another runner owns it.",
+            ["reason"], registry=r,
+        )
+        for reason in DROPPED_OUTPUT_REASONS:
+            self.dropped_outputs.labels(reason=reason)
         self.info = Info("kvserve_frontend", "Frontend build and configuration.", registry=r)
 
     def set_info(self, **labels: object) -> None:

@@ -5,6 +5,12 @@ heartbeat thread that sends `Heartbeat` every `HEARTBEAT_INTERVAL_S` while attac
 a long forward pass never loses the lease. After `attach` the shared buffers are mapped:
 `k_buffer`, `v_buffer` (writable) and `req_to_token` (runners must only read it).
 
+Lease fencing: every answered Attach, Step or Heartbeat renews the lease until the time it
+was *sent* plus the lease's TTL, on this process's monotonic clock; `fence()` raises
+`LeaseExpired` past that time, and the runner calls it before every layer's KV write. A
+runner that stalls (SIGSTOP, swap, a long GC) therefore writes nothing once memsvc may
+have reclaimed its slots (docs/interfaces.md, "Lease fencing").
+
 This module knows nothing about the runner's scheduler or the pool's internals.
 """
 
@@ -13,12 +19,14 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 
 import torch
 import zmq
 
 from kvserve.memsvc.sharing import open_buffer
 from kvserve.messages.runner_memsvc import (
+    PROTOCOL_VERSION,
     REPLIES,
     REQUESTS,
     Admit,
@@ -42,7 +50,7 @@ from kvserve.wire import WireError
 HEARTBEAT_INTERVAL_S = 0.3
 
 __all__ = [
-    "Admit", "Commit", "Grow", "Layout", "MemClient", "MemsvcError", "MemsvcUnavailable",
+    "Admit", "Commit", "Grow", "LeaseExpired", "Layout", "MemClient", "MemsvcError", "MemsvcUnavailable",
     "Release", "StepReply",
 ]
 
@@ -53,6 +61,10 @@ class MemsvcError(RuntimeError):
 
 class MemsvcUnavailable(MemsvcError):
     """memsvc did not answer in time: fail in-flight work and re-attach."""
+
+
+class LeaseExpired(MemsvcError):
+    """The lease may have been reclaimed: write no KV, fail in-flight work, re-attach."""
 
 
 class MemClient:
@@ -68,6 +80,8 @@ class MemClient:
         self.v_buffer: torch.Tensor | None = None
         self.req_to_token: torch.Tensor | None = None
         self.lease_lost = False
+        self.lease_ttl_s = 0.0
+        self.valid_until = 0.0  # time.monotonic() past which the lease may be gone
         self._usage = 0.0
         self._ctx = zmq.Context()
         self._sock: zmq.Socket | None = None
@@ -88,6 +102,7 @@ class MemClient:
                 self._sock = self._socket()
             sock = self._sock
         sock.rcvtimeo = int(self.timeout_s * 1000)  # recv raises zmq.Again after that
+        sent = time.monotonic()
         sock.send(REQUESTS.encode(msg))
         try:
             frame = sock.recv()
@@ -104,6 +119,11 @@ class MemClient:
             raise MemsvcError(f"undecodable reply from memsvc: {exc}") from None
         if isinstance(reply, ErrorReply):
             raise MemsvcError(reply.error)
+        if isinstance(msg, Step | Heartbeat) and self.lease == msg.lease:
+            # memsvc received it no earlier than `sent`: the lease lives at least until then + TTL
+            self.valid_until = max(self.valid_until, sent + self.lease_ttl_s)
+        elif isinstance(reply, AttachReply):
+            self.valid_until = sent + reply.lease_ttl_s
         return reply
 
     # ---- public API -------------------------------------------------------------
@@ -113,7 +133,7 @@ class MemClient:
             self.detach()
         reply = self._request(Attach(name=self.name, pid=os.getpid(), host=socket.gethostname(),
                                      n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim,
-                                     dtype=dtype))
+                                     dtype=dtype, protocol=PROTOCOL_VERSION))
         assert isinstance(reply, AttachReply)
         try:
             tensors = {h.name: open_buffer(h) for h in reply.buffers}
@@ -122,7 +142,10 @@ class MemClient:
         self.k_buffer = tensors["k_buffer"]
         self.v_buffer = tensors["v_buffer"]
         self.req_to_token = tensors["req_to_token"]
+        if reply.lease_ttl_s <= 0:
+            raise MemsvcError("attach: memsvc gave a lease without a TTL; cannot fence KV writes")
         self.layout, self.lease, self._usage = reply.layout, reply.lease, reply.kv_usage
+        self.lease_ttl_s = reply.lease_ttl_s
         self.lease_lost = False
         self._hb_stop.clear()
         self._hb_thread = threading.Thread(target=self._heartbeat_loop,
@@ -141,6 +164,17 @@ class MemClient:
         assert isinstance(reply, StepReply)
         self._usage = reply.kv_usage
         return reply
+
+    def fence(self) -> None:
+        """Raise `LeaseExpired` unless the lease is certainly still ours (call right before
+        writing KV)."""
+        if self.lease is None or self.lease_lost:
+            raise LeaseExpired("KV write refused: not attached to memsvc")
+        late = time.monotonic() - self.valid_until
+        if late >= 0:
+            self.lease_lost = True
+            raise LeaseExpired(f"KV write refused: the lease ran out {late:.2f} s ago "
+                               f"(no renewal answered within its {self.lease_ttl_s:g} s TTL)")
 
     def stats(self) -> StatsReply:
         """A snapshot of the pool (works attached or not)."""

@@ -1,7 +1,7 @@
 """`check_integrity`: verify a `Pool`'s invariants and repair what drifted.
 
-Invariants: every usable slot is held exactly once (free list, a row's private part, or a
-tree node); the reserved page 0 is held by nobody; every node's lock count equals the
+Invariants: every usable slot is held exactly once (free list, a row's private part, a
+tree node, or the quarantine of an expired lease); the reserved page 0 is held by nobody; every node's lock count equals the
 number of rows whose locked node lies at or below it; each row of `req_to_token` matches
 the row's slots. Repairs: lock counts are recomputed, the free list is rebuilt from the
 slots nobody holds, a damaged table row is rewritten. Slots held twice by rows/tree cannot
@@ -25,6 +25,7 @@ def check_integrity(pool: Pool, *, repair: bool = True) -> list[str]:
     size = alloc.size
     held_parts = [r.slots[r.cached_len:] for r in pool.rows.values()]
     held_parts += [n.value for n in tree.nodes()]
+    held_parts += [q.slots for q in pool.quarantine]
     held = np.bincount(np.concatenate(held_parts), minlength=size) if held_parts else np.zeros(size, np.int64)
     free_pages = alloc.free_page_ids()
     free_count = np.bincount(free_pages, minlength=alloc.n_pages)

@@ -1,8 +1,10 @@
 """Pool state: rows, slot ownership and prefix locks of every lease; the step operations.
 
 Every usable slot is in exactly one place: the allocator's free list, the private part
-of one request's row (positions >= its cached_len), or a node of the prefix tree. Each
-row locks the tree node that ends its cached prefix. `check_integrity` verifies this and
+of one request's row (positions >= its cached_len), a node of the prefix tree, or the
+quarantine (the private slots and rows of a lease that expired, kept out of use until a
+stalled runner can no longer write them; docs/interfaces.md, "Lease fencing"). Each row
+locks the tree node that ends its cached prefix. `check_integrity` verifies this and
 repairs what it can.
 
 Each operation validates its item first and raises `ItemError` before changing anything.
@@ -28,6 +30,15 @@ from kvserve.messages.runner_memsvc import (
     GrowResult,
     Release,
 )
+
+
+@dataclass(slots=True)
+class Quarantined:
+    """Slots and rows of an expired lease, reusable from `until` (memsvc's monotonic clock)."""
+
+    until: float
+    slots: np.ndarray
+    rows: list[int]
 
 
 class ItemError(ValueError):
@@ -71,6 +82,7 @@ class Pool:
         self.rows: dict[tuple[int, int], Row] = {}
         self._free_rows = list(range(max_reqs - 1, -1, -1))
         self._request_slots = 0
+        self.quarantine: list[Quarantined] = []
 
     # ---- helpers -------------------------------------------------------------
     def _round(self, n: int) -> int:
@@ -187,20 +199,47 @@ class Pool:
             self._commit(row, tokens)
         self._drop(row)
 
-    def _drop(self, row: Row) -> None:
+    def _drop(self, row: Row, into: Quarantined | None = None) -> None:
         self.tree.unlock(row.node)
         private = row.slots[row.cached_len:]
-        self.allocator.free(private)
         self._request_slots -= len(private)
-        self._free_rows.append(row.row)
         del self.rows[(row.lease, row.request_id)]
+        if into is None:
+            self.allocator.free(private)
+            self._free_rows.append(row.row)
+        else:
+            into.slots = np.concatenate([into.slots, private])
+            into.rows.append(row.row)
 
-    def drop_lease(self, lease: int) -> int:
-        """Free every row of `lease` without committing anything; returns the row count."""
+    def drop_lease(self, lease: int, *, quarantine_until: float | None = None) -> int:
+        """Free every row of `lease` without committing anything; returns the row count.
+
+        With `quarantine_until`, the rows and their private slots are not reusable before
+        that time (`release_quarantine`): the lease expired, and its runner may be stalled
+        in the middle of a step."""
         mine = [r for r in self.rows.values() if r.lease == lease]
+        held = None
+        if quarantine_until is not None and mine:
+            held = Quarantined(quarantine_until, np.empty(0, dtype=np.int64), [])
+            self.quarantine.append(held)
         for row in mine:
-            self._drop(row)
+            self._drop(row, held)
         return len(mine)
+
+    def release_quarantine(self, now: float) -> int:
+        """Return the quarantined slots and rows whose time has come; returns the slot count."""
+        due = [q for q in self.quarantine if q.until <= now]
+        if not due:
+            return 0
+        self.quarantine = [q for q in self.quarantine if q.until > now]
+        for q in due:
+            self.allocator.free(q.slots)
+            self._free_rows.extend(q.rows)
+        return sum(len(q.slots) for q in due)
+
+    @property
+    def quarantined_slots(self) -> int:
+        return sum(len(q.slots) for q in self.quarantine)
 
     def evict(self, n_slots: int) -> int:
         """Evict up to n_slots unlocked cached slots back to the free list; returns the count."""

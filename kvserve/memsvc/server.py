@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         service = MemsvcService(shape, policy=cfg.policy, grow_chunk=cfg.grow_chunk, device=cfg.device,
-                                lease_timeout_s=cfg.lease_timeout_s)
+                                lease_timeout_s=cfg.lease_timeout_s, lease_grace_s=cfg.lease_grace_s,
+                                reclaim_quarantine_s=cfg.reclaim_quarantine_s)
     except (RuntimeError, ValueError, OSError) as exc:
         print(f"kvserve memsvc: error: cannot allocate the pool: {exc}", file=sys.stderr)
         return 1

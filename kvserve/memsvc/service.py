@@ -65,7 +65,8 @@ class MemsvcService:
     """Pool state, leases and the handlers of every request type."""
 
     def __init__(self, shape: PoolShape, *, policy: str, grow_chunk: int, device: str,
-                 lease_timeout_s: float, local_pids: bool = True) -> None:
+                 lease_timeout_s: float, lease_grace_s: float = 0.5,
+                 reclaim_quarantine_s: float = 2.0, local_pids: bool = True) -> None:
         self.layout = Layout(
             n_layers=shape.n_layers, n_kv_heads=shape.n_kv_heads, head_dim=shape.head_dim,
             dtype=shape.dtype, size=shape.size, page_size=shape.page_size,
@@ -83,6 +84,8 @@ class MemsvcService:
         self.metrics.info.info({"version": __version__, "policy": policy, "device": device,
                                 "page_size": str(shape.page_size), "slots": str(shape.size)})
         self.lease_timeout_s = lease_timeout_s
+        self.lease_grace_s = lease_grace_s
+        self.reclaim_quarantine_s = reclaim_quarantine_s
         self.local_pids = local_pids
         self.leases: dict[int, Lease] = {}
         self.reclaimed = 0
@@ -123,18 +126,31 @@ class MemsvcService:
         log.warning("memsvc: %s", error)
 
     def reap(self, now: float | None = None) -> int:
-        """Reclaim leases that stopped heartbeating or whose local pid is gone."""
+        """Reclaim leases whose local pid is gone (at once) or that expired: silent for their
+        TTL plus the grace. An expired lease's runner may only be stalled, so its rows and
+        private slots stay quarantined for `reclaim_quarantine_s` (docs/interfaces.md,
+        "Lease fencing"); a dead process writes nothing, so its slots are free at once.
+        Also returns quarantined slots whose time has come. Returns the leases reclaimed."""
         now = time.monotonic() if now is None else now
-        gone = [lease for lease in self.leases.values()
-                if now - lease.last_seen > self.lease_timeout_s
-                or (lease.local and self.local_pids and not pid_alive(lease.pid))]
-        for lease in gone:
-            rows = self.pool.drop_lease(lease.lease)
+        released = self.pool.release_quarantine(now)
+        expire = self.lease_timeout_s + self.lease_grace_s
+        gone = []
+        for lease in self.leases.values():
+            if lease.local and self.local_pids and not pid_alive(lease.pid):
+                gone.append((lease, None))
+            elif now - lease.last_seen > expire:
+                gone.append((lease, now + self.reclaim_quarantine_s))
+        for lease, until in gone:
+            rows = self.pool.drop_lease(lease.lease, quarantine_until=until)
             del self.leases[lease.lease]
             self.reclaimed += 1
             self.metrics.reclaimed.inc()
-            log.warning("memsvc: reclaimed lease of %s (pid %d): %d rows", lease.name, lease.pid, rows)
-        if gone:
+            why = "its process is gone" if until is None else (
+                f"silent for {now - lease.last_seen:.1f} s; its slots are quarantined for "
+                f"{self.reclaim_quarantine_s:g} s")
+            log.warning("memsvc: reclaimed lease of %s (pid %d), %s: %d rows", lease.name, lease.pid,
+                        why, rows)
+        if gone or released:
             self.refresh_metrics()
         return len(gone)
 
@@ -185,7 +201,8 @@ class MemsvcService:
         log.info("memsvc: attached %s (pid %d) lease %d", msg.name, msg.pid, lease_id)
         return AttachReply(lease=lease_id, layout=mine,
                            buffers=self.kv.handles() + self.table.handles(),
-                           kv_usage=self.pool.kv_usage(), memsvc_pid=os.getpid() if local else 0)
+                           kv_usage=self.pool.kv_usage(), memsvc_pid=os.getpid() if local else 0,
+                           lease_ttl_s=self.lease_timeout_s)
 
     def _step(self, msg: Step) -> StepReply | ErrorReply:
         if self._lease(msg.lease) is None:
@@ -234,4 +251,5 @@ class MemsvcService:
             leases_reclaimed=self.reclaimed, invariant_violations=self.violations,
             bad_messages=self.bad_messages, prefix_queried_tokens=p.tree.queried_tokens,
             prefix_hit_tokens=p.tree.hit_tokens, kv_usage=p.kv_usage(),
+            slots_quarantined=p.quarantined_slots,
         )

@@ -19,8 +19,9 @@ import msgspec
 
 from kvserve.wire import Codec, Item, Message
 
-PROTOCOL_VERSION = 1
-"""The shape of this link's messages; `Attach.protocol` carries the client's."""
+PROTOCOL_VERSION = 2
+"""The shape and meaning of this link's messages; `Attach.protocol` carries the client's.
+Version 2: `AttachReply.lease_ttl_s`, which the runner must honour (lease fencing)."""
 
 REASON_EXHAUSTED = "exhausted"
 """`AdmitResult.reason` / `GrowResult.reason` when the pool (slots or rows) is full now."""
@@ -77,7 +78,7 @@ class Attach(Message):
     n_kv_heads: int
     head_dim: int
     dtype: str
-    protocol: int = PROTOCOL_VERSION
+    protocol: int = 1  # absent: version 1, whose clients did not send it; MemClient sends its own
 
 
 class AttachReply(Message):
@@ -86,6 +87,10 @@ class AttachReply(Message):
     buffers: list[BufferHandle]
     kv_usage: float = 0.0
     memsvc_pid: int = 0  # set when the client is on memsvc's host: it watches this pid
+    lease_ttl_s: float = 0.0
+    """The lease lives this long after memsvc received the client's last Step or Heartbeat.
+    The client writes no KV once that long has passed since it *sent* the last request
+    memsvc answered (docs/interfaces.md, "Lease fencing")."""
 
 
 class Admit(Item, gc=False):
@@ -186,6 +191,7 @@ class StatsReply(Message):
     prefix_queried_tokens: int
     prefix_hit_tokens: int
     kv_usage: float
+    slots_quarantined: int = 0  # reclaimed from an expired lease, not yet reusable
 
 
 class ErrorReply(Message):

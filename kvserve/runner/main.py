@@ -6,8 +6,15 @@ ROUTER, says `Hello`, then loops: take `GenerateReq` / `AbortReq` frames, run on
 `Scheduler.step()` while there is work, send the step's outputs as one `TokenBatch`.
 While idle it blocks on the frontend socket with a short timeout. A background thread
 sends `RunnerStatus` every `STATUS_INTERVAL_S` even while a long forward runs. When memsvc
-stops answering, in-flight requests fail with finish_reason "error" and the worker
-re-attaches. SIGTERM/SIGINT stop the loop; the process exits 0.
+stops answering or the lease runs out (`MemClient.fence`, checked before every layer's KV
+write), in-flight requests fail with finish_reason "error" and the worker re-attaches.
+A token batch the frontend cannot take within `SEND_TIMEOUT_S` is not dropped silently:
+its requests are aborted here and counted (`kvserve_runner_undelivered_outputs_total`).
+If the status thread dies, the process exits 1. SIGTERM/SIGINT stop the loop; exit 0.
+
+Test hook: with `KVSERVE_FAULT_CRASH_ON_TOKEN=<id>` in its environment, the runner exits
+at once (status 70, like a crash) when it receives a prompt holding that token id; the
+fault tests use it for "a request that crashes runners".
 
 The scheduling itself lives in `scheduler.py`; this module only wires processes together.
 """
@@ -50,6 +57,9 @@ IDLE_POLL_MS = 50
 ATTACH_BACKOFF_S = (0.1, 2.0)
 MEMSVC_TIMEOUT_S = 5.0
 ATTACH_TIMEOUT_S = 1.0
+SEND_TIMEOUT_S = 1.0
+CRASH_ON_TOKEN_ENV = "KVSERVE_FAULT_CRASH_ON_TOKEN"
+CRASH_EXIT = 70
 
 
 class Worker:
@@ -72,6 +82,9 @@ class Worker:
         self._sock: zmq.Socket | None = None
         self._status_thread: threading.Thread | None = None
         self._next_attach = 0.0
+        self.fatal: BaseException | None = None
+        crash = os.environ.get(CRASH_ON_TOKEN_ENV, "")
+        self._crash_token = int(crash) if crash.strip().isdigit() else None
         self.memsvc_address = cfg.memsvc_address or ipc_address(MEMSVC_SOCKET, cfg.runtime_dir or None)
         self.frontend_address = cfg.frontend_address or ipc_address(FRONTEND_SOCKET, cfg.runtime_dir or None)
 
@@ -115,6 +128,7 @@ class Worker:
         )
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, cfg.runner_id.encode())
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a connected frontend, never to a dead one
         sock.linger = 0
         sock.connect(self.frontend_address)
         self._sock = sock
@@ -155,13 +169,18 @@ class Worker:
         return True
 
     # ---- frontend link -----------------------------------------------------------------
-    def _send(self, msg: Any) -> None:
+    def _send(self, msg: Any, wait_s: float = 0.0) -> bool:
+        """Send one message up; False when the frontend cannot take it within `wait_s`."""
         assert self._sock is not None
+        frame = UP.encode(msg)
         with self.lock:
+            if wait_s and not self._sock.poll(int(wait_s * 1000), zmq.POLLOUT):
+                return False
             try:
-                self._sock.send(UP.encode(msg), flags=zmq.NOBLOCK)
+                self._sock.send(frame, flags=zmq.NOBLOCK)
+                return True
             except zmq.Again:
-                log.warning("frontend not reachable: dropped a %s", type(msg).__name__)
+                return False
 
     def _hello(self) -> None:
         self._send(Hello(runner_id=self.cfg.runner_id, pid=os.getpid(),
@@ -178,11 +197,16 @@ class Worker:
         that restarted (or dropped this runner after a stall) registers it again; one that
         knows this pid only refreshes it."""
         last_hello = time.monotonic()
-        while not self.stopping.wait(STATUS_INTERVAL_S * 0.8):
-            self._send(self._status())
-            if time.monotonic() - last_hello >= HELLO_INTERVAL_S:
-                self._hello()
-                last_hello = time.monotonic()
+        try:
+            while not self.stopping.wait(STATUS_INTERVAL_S * 0.8):
+                self._send(self._status())  # periodic: one that does not fit is replaced soon
+                if time.monotonic() - last_hello >= HELLO_INTERVAL_S:
+                    self._hello()
+                    last_hello = time.monotonic()
+        except BaseException as exc:  # a silent runner would be dropped anyway: die loudly
+            log.critical("the status thread died: %r", exc, exc_info=exc)
+            self.fatal = exc
+            self.stopping.set()
 
     def _receive(self, timeout_ms: int) -> None:
         """Wait up to `timeout_ms` for frames from the frontend, then take all that are there."""
@@ -203,6 +227,10 @@ class Worker:
                 log.warning("bad frame from the frontend: %s", exc)
                 continue
             if isinstance(msg, GenerateReq):
+                if self._crash_token is not None and self._crash_token in msg.token_ids:
+                    log.critical("%s: token %d in request %s: exiting", CRASH_ON_TOKEN_ENV,
+                                 self._crash_token, msg.request_id)
+                    os._exit(CRASH_EXIT)
                 self.sched.add(msg)
             elif isinstance(msg, AbortReq):
                 self.sched.abort(msg.request_id)
@@ -241,11 +269,19 @@ class Worker:
                 last_wd = time.monotonic()
         sdnotify.notify("STOPPING=1")
         self._flush(self._shutdown_outputs())
-        return 0
+        return 0 if self.fatal is None else 1
 
     def _flush(self, outs: list[TokenOut]) -> None:
-        if outs:
-            self._send(TokenBatch(runner_id=self.cfg.runner_id, outputs=outs))
+        """Send the step's outputs; if the frontend cannot take them in time, abort their
+        requests here (counted and logged) rather than let them run on unseen."""
+        if not outs or self._send(TokenBatch(runner_id=self.cfg.runner_id, outputs=outs), SEND_TIMEOUT_S):
+            return
+        going = [o.request_id for o in outs if not o.finish_reason]
+        self.metrics.undelivered.inc()
+        log.error("the frontend took no token batch for %.1f s: %d outputs undelivered, "
+                  "aborting %d request(s)", SEND_TIMEOUT_S, len(outs), len(going))
+        for request_id in going:
+            self.sched.abort(request_id)
 
     def _memsvc_lost(self, error: str) -> list[TokenOut]:
         log.warning("%s: failing in-flight requests and re-attaching", error)

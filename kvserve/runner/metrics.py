@@ -28,6 +28,7 @@ class RunnerMetrics:
     preemptions: Counter = field(init=False)
     memsvc_calls: Counter = field(init=False)
     bad_messages: Counter = field(init=False)
+    undelivered: Counter = field(init=False)
     info: Info = field(init=False)
 
     def __post_init__(self) -> None:
@@ -50,6 +51,11 @@ class RunnerMetrics:
         )
         self.bad_messages = Counter(
             "kvserve_runner_bad_messages", "Malformed frames from the frontend, dropped.", registry=r
+        )
+        self.undelivered = Counter(
+            "kvserve_runner_undelivered_outputs",
+            "Token batches the frontend could not take within the send timeout; their "
+            "requests were aborted here.", registry=r,
         )
         self.info = Info("kvserve_runner", "Runner build and configuration.", registry=r)
         for phase in RUNNER_PHASES:

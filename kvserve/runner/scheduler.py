@@ -34,6 +34,9 @@ from kvserve.runner.sampling import (
     needs_penalties,
 )
 
+MAX_WAITING = 4096
+"""Requests one runner queues; more fail at once (the frontend bounds them well below)."""
+
 
 def failed_output(request_id: str, error: str) -> TokenOut:
     """The final output of a request that fails before it produced anything."""
@@ -119,6 +122,8 @@ class Scheduler:
         n = len(msg.token_ids)
         if msg.request_id in self.table:
             return f"request_id {msg.request_id!r} is already in use on this runner"
+        if len(self.table.waiting) >= MAX_WAITING:
+            return f"the runner's queue is full ({MAX_WAITING} requests waiting)"
         if n == 0:
             return "token_ids: the prompt is empty"
         if n >= self.max_context_len:
@@ -192,7 +197,7 @@ class Scheduler:
         )
         logits = model.forward(
             batch.input_ids, batch.meta, k_buffer=self.mem.k_buffer, v_buffer=self.mem.v_buffer,
-            backend=self.backend, logits_indices=batch.logits_indices,
+            backend=self.backend, logits_indices=batch.logits_indices, fence=self.mem.fence,
         )
         self.ran_forward = True
         t1 = time.perf_counter()

@@ -2,7 +2,9 @@
 prompts with random sampling parameters, cancelling, aborting and using short deadlines.
 
 `run_load(stub, clients, seconds, seed)` returns a `LoadResult` (status counts, requests,
-elapsed, unexpected outcomes). Knows the gRPC API only.
+elapsed, unexpected outcomes). Unexpected: a status other than OK, CANCELLED or
+DEADLINE_EXCEEDED, a bad final message, or a stream that ends OK without a final message
+carrying a finish_reason (unless the client cancelled it itself). Knows the gRPC API only.
 """
 
 from __future__ import annotations
@@ -69,16 +71,21 @@ def _one(stub: pb_grpc.GeneratorStub, rng: random.Random, request_id: str, max_n
     call = stub.Generate(req, timeout=timeout)
     stop_after = rng.randint(1, 5)
     got = 0
+    final = ""
     try:
         for msg in call:
             got += 1
             if msg.finish_reason and (msg.finish_reason not in OK_REASONS
                                       or msg.usage.completion_tokens > req.sampling.max_new_tokens):
                 return f"{action}:OK", f"bad final message {msg.finish_reason} {msg.usage}"
+            final = final or msg.finish_reason
             if got == stop_after and action == "cancel":
                 call.cancel()
             if got == stop_after and action == "abort":
                 stub.Abort(pb.AbortRequest(request_id=request_id), timeout=10)
+        cancelled = action == "cancel" and got >= stop_after
+        if not final and not cancelled:
+            return f"{action}:OK", f"stream ended OK after {got} message(s) without a finish_reason"
         return f"{action}:OK", ""
     except grpc.RpcError as exc:
         problem = "" if exc.code() in EXPECTED else f"{exc.code().name}: {exc.details()}"

@@ -121,6 +121,16 @@ class Service:
                     out.setdefault(role, pid)
         return out
 
+    def role_pids(self) -> dict[str, list[int]]:
+        """{role: sorted pids} of the live children, every runner included (a role that is
+        restarting maps to an empty list)."""
+        out: dict[str, list[int]] = {role: [] for role in ROLES}
+        for pid, cmd in children_of(self.proc.pid).items():
+            for role in ROLES:
+                if f"kvserve.cli {role} " in cmd:
+                    out[role].append(pid)
+        return {role: sorted(pids) for role, pids in out.items()}
+
     def health_status(self) -> int:
         try:
             return self.health.Check(health_pb2.HealthCheckRequest(service="kvserve.v1.Generator"),
@@ -176,21 +186,26 @@ class LeftBehind(RuntimeError):
 
 
 def start_serve(runtime: Path, model: Path | None, *extra: str, ready_s: float = 150.0,
-                dtype: str | None = "float32", device: str | None = "cpu") -> Service:
+                dtype: str | None = "float32", device: str | None = "cpu",
+                log: Path | None = None) -> Service:
     """Start `kvserve serve` on `model` (None = the embedded default) and wait until it serves.
-    `dtype`/`device` None: serve's own default."""
+    `dtype`/`device` None: serve's own default. `log`: a file that gets serve's stderr, which
+    its children inherit (all their logs); None: this process's stderr."""
     runtime.mkdir(mode=0o700, parents=True, exist_ok=True)
     port, metrics = free_block(1), free_block(5)
     env = dict(os.environ, KVSERVE_RUNTIME_DIR=str(runtime))
     env.pop("NOTIFY_SOCKET", None)
     shm_before = set(os.listdir("/dev/shm"))
+    stderr = open(log, "a") if log is not None else None  # the child keeps its own copy
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvserve.cli", "serve", *(["--model", str(model)] if model else []),
          *(["--dtype", dtype] if dtype else []), *(["--device", device] if device else []),
          "--port", str(port), "--metrics-port", str(metrics),
          "--runtime-dir", str(runtime), "--ready-timeout-s", str(ready_s), *extra],
-        env=env, stdout=subprocess.PIPE, text=True,
+        env=env, stdout=subprocess.PIPE, stderr=stderr, text=True,
     )
+    if stderr is not None:
+        stderr.close()
     assert proc.stdout is not None
     for line in proc.stdout:
         if line.startswith("kvserve serving on"):

@@ -1,5 +1,7 @@
 """memsvc refuses an Attach of another protocol version (an ErrorReply naming both versions,
-no lease) and takes an Attach frame of the old shape, which carries no version, as this one."""
+no lease): a newer one, and one of the old shape, which carries no version and so is
+version 1, from before lease fencing (such a runner would not stop writing KV when its
+lease runs out)."""
 
 from __future__ import annotations
 
@@ -17,9 +19,6 @@ from kvserve.messages.runner_memsvc import (
     REPLIES,
     REQUESTS,
     Attach,
-    AttachReply,
-    Detach,
-    DetachReply,
     ErrorReply,
 )
 
@@ -56,7 +55,12 @@ def test_attach_of_another_protocol_version_is_refused(run_dir: Path, memsvc_fac
                                  "n_layers": 2, "n_kv_heads": 2, "head_dim": 8, "dtype": "float32",
                                  "type": "Attach"})
             reply = _ask(svc.address, old)
-            assert isinstance(reply, AttachReply) and probe.stats().leases == ["r-old"]
-            assert isinstance(_ask(svc.address, REQUESTS.encode(Detach(reply.lease))), DetachReply)
+            assert isinstance(reply, ErrorReply)
+            assert f"attach: protocol version 1 != memsvc's {PROTOCOL_VERSION}" in reply.error
+            after = probe.stats()
+            assert (after.clients, after.leases, after.bad_messages) == (0, [], 2)
+            # what MemClient sends is this version, and the lease comes with its TTL
+            probe.attach(n_layers=2, n_kv_heads=2, head_dim=8)
+            assert probe.lease_ttl_s > 0 and probe.stats().leases == ["probe"]
         finally:
             probe.close()
