@@ -165,15 +165,16 @@ class MemClient:
         self._usage = reply.kv_usage
         return reply
 
-    def fence(self) -> None:
+    def fence(self, layer: int = -1) -> None:
         """Raise `LeaseExpired` unless the lease is certainly still ours (call right before
-        writing KV)."""
+        writing KV; `layer` only names the write in the error)."""
+        where = f" before layer {layer}'s KV write" if layer >= 0 else ""
         if self.lease is None or self.lease_lost:
-            raise LeaseExpired("KV write refused: not attached to memsvc")
+            raise LeaseExpired(f"KV write refused{where}: not attached to memsvc")
         late = time.monotonic() - self.valid_until
         if late >= 0:
             self.lease_lost = True
-            raise LeaseExpired(f"KV write refused: the lease ran out {late:.2f} s ago "
+            raise LeaseExpired(f"KV write refused{where}: the lease ran out {late:.2f} s ago "
                                f"(no renewal answered within its {self.lease_ttl_s:g} s TTL)")
 
     def stats(self) -> StatsReply:

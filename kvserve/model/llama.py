@@ -208,20 +208,20 @@ class LlamaForCausalLM(nn.Module):
         v_buffer: torch.Tensor,
         backend: Any,
         logits_indices: torch.Tensor,
-        fence: Callable[[], None] | None = None,
+        fence: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Forward over memsvc KV buffers [n_layers, size, Hkv, D] with a kernels backend.
 
         `meta` is a `kvserve.kernels.StepMetadata` (its `positions` are the absolute positions of
         `input_ids`); each layer's new k/v are stored at `meta.out_cache_loc` by the backend.
-        `fence`, when given, is called right before each layer's store and raises to stop the
-        forward (the runner's lease check). Returns float32 logits [B, vocab] for `logits_indices`.
+        `fence`, when given, is called with the layer index right before each layer's store and
+        raises to stop the forward (the runner's lease check). Returns float32 logits [B, vocab] for `logits_indices`.
         """
         scale = self.sm_scale
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             if fence is not None:
-                fence()
+                fence(layer)
             return backend.attention(
                 q, k, v, k_cache=k_buffer[layer], v_cache=v_buffer[layer], meta=meta, sm_scale=scale
             )

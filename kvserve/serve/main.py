@@ -69,6 +69,14 @@ def _die_with_parent() -> None:
         pass
 
 
+def _share_cores(cfg: ServeConfig) -> dict[str, object]:
+    """Several runners with torch's default thread count each would oversubscribe the CPU
+    (every runner takes all cores, and OpenMP spins): give each its share instead."""
+    if cfg.runners == 1 or cfg.runner.threads:
+        return {}
+    return {"threads": max(1, (os.cpu_count() or 1) // cfg.runners)}
+
+
 class Supervisor:
     """Starts, watches, restarts and stops the children of one `kvserve serve`."""
 
@@ -82,7 +90,7 @@ class Supervisor:
         self.children = [self._child("memsvc", cfg.memsvc, here | {
             "address": self.memsvc_address, "metrics_port": cfg.child_metrics_port("memsvc")})]
         for i in range(cfg.runners):
-            self.children.append(self._child(f"runner-{i}", cfg.runner, here | {
+            self.children.append(self._child(f"runner-{i}", cfg.runner, here | _share_cores(cfg) | {
                 "memsvc_address": self.memsvc_address, "frontend_address": self.frontend_address,
                 "runner_id": f"runner-{i}", "metrics_port": cfg.child_metrics_port("runner", i)}))
         self.children.append(self._child("frontend", cfg.frontend, here | {

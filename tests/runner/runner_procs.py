@@ -28,11 +28,12 @@ from ..model.tinymodel import write_tiny_model
 SHARPEN = {"self_attn": 4.0, "mlp": 4.0}
 
 
-def write_sharp_tiny_model(path: Path) -> Path:
-    """A tiny random Llama HF directory whose attention and MLP weights are scaled up."""
+def write_sharp_tiny_model(path: Path, **config_kw: Any) -> Path:
+    """A tiny random Llama HF directory whose attention and MLP weights are scaled up
+    (`config_kw`: `tiny_config`'s, e.g. num_layers)."""
     from safetensors.torch import load_file, save_file
 
-    write_tiny_model(path)
+    write_tiny_model(path, **config_kw)
     for file in path.glob("*.safetensors"):
         tensors = load_file(str(file))
         for name, t in tensors.items():

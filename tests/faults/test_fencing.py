@@ -1,0 +1,144 @@
+"""Lease fencing through real processes (issue 14, item 2): one of two runners is SIGSTOPped in
+the middle of a step and stays stopped past its lease, its TTL, memsvc's grace and the
+quarantine of its slots, while the other runner serves requests that reuse those slots;
+then SIGCONT. The woken runner must write no KV (its fence trips before the next layer's
+write), every greedy output must equal the fault-free run, memsvc's invariants must hold
+and nothing may leak; the runner re-attaches and serves again.
+
+A model with 12 layers makes a step mostly forward, so a stop lands inside one; a trial
+counts once the runner's log shows the fence refusing a write past layer 0 (mid-step).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvserve.v1 import generator_pb2 as pb
+
+from ..runner.runner_procs import write_sharp_tiny_model
+from .harness import Service, greedy, start_serve, stop_serve
+
+pytestmark = pytest.mark.timeout(300)
+LAYERS = 12
+MAX_NEW = 48
+STOP_S = 6.0  # > TTL 1.5 + grace 0.5 + reap 0.2 + quarantine 2.0: the slots are reused meanwhile
+MID_STEP = re.compile(r"KV write refused before layer (\d+)'s KV write")
+PROMPTS = [f"prompt {i}: " + "".join(random.Random(i).choice("abcdefgh ijk") for _ in range(90 + 7 * i))
+           for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def deep_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_sharp_tiny_model(tmp_path_factory.mktemp("deep") / "model", num_layers=LAYERS)
+
+
+@pytest.fixture(scope="module")
+def svc(tmp_path_factory: pytest.TempPathFactory, deep_model: Path) -> Iterator[Service]:
+    run = tmp_path_factory.mktemp("fence-rt")
+    service = start_serve(run, deep_model, "--runners", "2", "--kv-tokens", "800", "--policy", "reserve",
+                          log=run.parent / "fence-serve.log")
+    service.log_path = run.parent / "fence-serve.log"
+    try:
+        yield service
+    finally:
+        assert stop_serve(service) == 0
+
+
+class Load:
+    """Client threads sending greedy requests over PROMPTS until stopped; every result kept."""
+
+    def __init__(self, svc: Service, clients: int = 4) -> None:
+        self.svc = svc
+        self.results: list[tuple[int, grpc.StatusCode, list[int], float]] = []  # ..., first token at
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._client, args=(k,), daemon=True) for k in range(clients)]
+        for t in self._threads:
+            t.start()
+
+    def _client(self, k: int) -> None:
+        rng = random.Random(k)
+        while not self._stop.is_set():
+            i = rng.randrange(len(PROMPTS))
+            tokens: list[int] = []
+            first = 0.0
+            try:
+                for msg in self.svc.stub.Generate(greedy(PROMPTS[i], MAX_NEW), timeout=60):
+                    first = first or time.monotonic()
+                    tokens += msg.token_ids
+                assert msg.finish_reason == "length", msg
+                code = grpc.StatusCode.OK
+            except grpc.RpcError as exc:
+                code = exc.code()
+                time.sleep(0.05)
+            with self._lock:
+                self.results.append((i, code, tokens, first))
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(90)
+            assert not t.is_alive(), "a client hung"
+
+
+def _runner_count(svc: Service) -> int:
+    return len(svc.stub.GetLoad(pb.GetLoadRequest(), timeout=5).runners)
+
+
+def test_runner_stopped_mid_step_past_its_lease_writes_nothing(svc: Service) -> None:
+    reference = {i: [t for m in svc.stub.Generate(greedy(p, MAX_NEW), timeout=60) for t in m.token_ids]
+                 for i, p in enumerate(PROMPTS)}
+    assert len({tuple(v) for v in reference.values()}) == len(PROMPTS)
+    end = time.monotonic() + 30
+    while _runner_count(svc) < 2 and time.monotonic() < end:
+        time.sleep(0.2)
+    victim = svc.role_pids()["runner"][0]
+    load = Load(svc)
+    rng = random.Random(7)
+    layers: list[int] = []
+    stalls: list[tuple[float, float]] = []
+    try:
+        for _trial in range(6):
+            time.sleep(rng.uniform(0.5, 1.5))  # both runners busy
+            os.kill(victim, signal.SIGSTOP)
+            stopped = time.monotonic()
+            time.sleep(STOP_S)
+            os.kill(victim, signal.SIGCONT)
+            stalls.append((stopped, time.monotonic()))
+            end = time.monotonic() + 20
+            while _runner_count(svc) < 2 and time.monotonic() < end:
+                time.sleep(0.2)
+            assert _runner_count(svc) == 2, "the stalled runner did not register again"
+            layers = [int(n) for n in MID_STEP.findall(svc.log_path.read_text())]
+            if any(n > 0 for n in layers):
+                break
+        time.sleep(2.0)  # the re-attached runner serves again
+    finally:
+        load.stop()
+    assert any(n > 0 for n in layers), f"no stop landed mid-step in 6 trials (fence layers {layers})"
+    assert svc.role_pids()["runner"][0] == victim, "the stalled runner was restarted, not woken"
+    ok = [(i, tokens) for i, code, tokens, _ in load.results if code == grpc.StatusCode.OK]
+    wrong = [i for i, tokens in ok if tokens != reference[i]]
+    assert not wrong, f"{len(wrong)} of {len(ok)} greedy outputs differ from the fault-free run: {wrong}"
+    # admitted after the stalled runner's slots left the quarantine (reclaim at TTL + grace +
+    # one reap, then 2 s): the other runner reused the pool while the victim was stopped
+    reused = [r for r in load.results if r[1] == grpc.StatusCode.OK
+              and any(a + 4.5 < r[3] < b for a, b in stalls)]
+    assert reused, "no request was admitted while the runner was stopped past the quarantine"
+    after = [r for r in load.results if r[1] == grpc.StatusCode.OK and r[3] > stalls[-1][1] + 1.0]
+    assert after, "nothing was served after the last stall"
+    bad = {c for _, c, *_ in load.results} - {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE}
+    assert not bad, bad
+    st = svc.wait_stats(lambda st: st.slots_request == 0 and st.slots_quarantined == 0, timeout=10)
+    assert (st.slots_request, st.slots_quarantined, st.rows_used) == (0, 0, 0), st
+    assert st.invariant_violations == 0 and st.leases_reclaimed >= 1, st
