@@ -2,8 +2,10 @@
 
 It "generates" the UTF-8 bytes of `reply` one token per step (the frontend runs with the
 byte tokenizer), then EOS (256). It reports the pid of its own `sleep` child in `Hello`,
-so `kill()` makes the frontend see the runner die at once. Everything it receives is
-recorded in `received` for assertions.
+so `kill()` makes the frontend see the runner die at once; `stall(s)` makes it freeze for
+`s` seconds like a SIGSTOPped runner (nothing sent or read), after which it goes on with
+the requests it had, as a zombie would. It repeats its Hello every `HELLO_INTERVAL_S`, as
+the real runner does. Everything it receives is recorded in `received` for assertions.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import zmq
 
 from kvserve.messages.frontend_runner import (
     DOWN,
+    HELLO_INTERVAL_S,
     UP,
     AbortReq,
     FinishReason,
@@ -49,6 +52,7 @@ class FakeRunner:
     def __post_init__(self) -> None:
         self._sleeper = subprocess.Popen(["sleep", "600"])
         self._stop = threading.Event()
+        self._stalled_until = 0.0
         self._lock = threading.Lock()
         self._running: dict[str, _Req] = {}
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -74,6 +78,10 @@ class FakeRunner:
             time.sleep(0.01)
         return predicate()
 
+    def stall(self, seconds: float) -> None:
+        """Freeze (send nothing, read nothing) for `seconds`, then go on."""
+        self._stalled_until = time.monotonic() + seconds
+
     def kill(self) -> None:
         """Die like a killed runner: the pid disappears and nothing more is sent."""
         self._stop.set()
@@ -90,12 +98,18 @@ class FakeRunner:
         sock.setsockopt(zmq.IDENTITY, self.runner_id.encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.address)
-        sock.send(UP.encode(Hello(runner_id=self.runner_id, pid=self.pid,
-                                  max_context_len=self.max_context_len)))
+        hello = UP.encode(Hello(runner_id=self.runner_id, pid=self.pid, max_context_len=self.max_context_len))
+        sock.send(hello)
         last_status = 0.0
-        next_step = time.monotonic()
+        last_hello = next_step = time.monotonic()
         try:
             while not self._stop.is_set():
+                if time.monotonic() < self._stalled_until:
+                    time.sleep(0.005)
+                    continue
+                if time.monotonic() - last_hello >= HELLO_INTERVAL_S:
+                    sock.send(hello)
+                    last_hello = time.monotonic()
                 if sock.poll(5):
                     msg = DOWN.decode(sock.recv())
                     with self._lock:
