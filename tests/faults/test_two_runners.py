@@ -1,4 +1,10 @@
-"""Lease fencing through real processes (issue 14, item 2): one of two runners is SIGSTOPped in
+"""Faults against one `kvserve serve` with two runners (tiny 12-layer model).
+
+A request that crashes runners (the `KVSERVE_FAULT_CRASH_ON_TOKEN` test hook makes a runner
+exit when a prompt holds that token) is retried once on the other runner, then failed with
+INTERNAL; serve restarts both runners and the service serves again.
+
+Lease fencing (issue 14, item 2): one of two runners is SIGSTOPped in
 the middle of a step and stays stopped past its lease, its TTL, memsvc's grace and the
 quarantine of its slots, while the other runner serves requests that reuse those slots;
 then SIGCONT. The woken runner must write no KV (its fence trips before the next layer's
@@ -23,6 +29,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from kvserve.runner.main import CRASH_ON_TOKEN_ENV
 from kvserve.v1 import generator_pb2 as pb
 
 from ..runner.runner_procs import write_sharp_tiny_model
@@ -33,6 +40,7 @@ LAYERS = 12
 MAX_NEW = 48
 STOP_S = 6.0  # > TTL 1.5 + grace 0.5 + reap 0.2 + quarantine 2.0: the slots are reused meanwhile
 MID_STEP = re.compile(r"KV write refused before layer (\d+)'s KV write")
+CRASH_TOKEN = 250  # a byte-level id no ASCII prompt produces
 PROMPTS = [f"prompt {i}: " + "".join(random.Random(i).choice("abcdefgh ijk") for _ in range(90 + 7 * i))
            for i in range(8)]
 
@@ -45,8 +53,10 @@ def deep_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def svc(tmp_path_factory: pytest.TempPathFactory, deep_model: Path) -> Iterator[Service]:
     run = tmp_path_factory.mktemp("fence-rt")
-    service = start_serve(run, deep_model, "--runners", "2", "--kv-tokens", "800", "--policy", "reserve",
-                          log=run.parent / "fence-serve.log")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(CRASH_ON_TOKEN_ENV, str(CRASH_TOKEN))
+        service = start_serve(run, deep_model, "--runners", "2", "--kv-tokens", "800", "--policy", "reserve",
+                              log=run.parent / "fence-serve.log")
     service.log_path = run.parent / "fence-serve.log"
     try:
         yield service
@@ -93,6 +103,26 @@ class Load:
 
 def _runner_count(svc: Service) -> int:
     return len(svc.stub.GetLoad(pb.GetLoadRequest(), timeout=5).runners)
+
+
+def test_request_that_crashes_runners_is_retried_once_then_internal(svc: Service) -> None:
+    end = time.monotonic() + 30
+    while _runner_count(svc) < 2 and time.monotonic() < end:
+        time.sleep(0.2)
+    before = svc.role_pids()["runner"]
+    assert len(before) == 2
+    crash = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, CRASH_TOKEN, 7]), sampling=pb.SamplingParams(max_new_tokens=4))
+    with pytest.raises(grpc.RpcError) as info:
+        list(svc.stub.Generate(crash, timeout=60))
+    assert info.value.code() == grpc.StatusCode.INTERNAL, info.value
+    assert "in flight on 2 runners that died" in info.value.details()
+    end = time.monotonic() + 90
+    while time.monotonic() < end and not (len(svc.role_pids()["runner"]) == 2 and _runner_count(svc) == 2):
+        time.sleep(0.2)
+    after = svc.role_pids()["runner"]
+    assert len(after) == 2 and not set(after) & set(before), (before, after)
+    out = list(svc.stub.Generate(greedy(PROMPTS[0], 4), timeout=60))
+    assert out[-1].usage.completion_tokens == 4
 
 
 def test_runner_stopped_mid_step_past_its_lease_writes_nothing(svc: Service) -> None:
