@@ -187,11 +187,15 @@ class Dispatcher:
     def _send(self, runner_id: str, frame: bytes) -> bool:
         """False when the runner cannot be reached now (not connected, or its queue full)."""
         try:
-            self._sock.send_multipart([runner_id.encode(), frame], flags=zmq.NOBLOCK)
+            # zmq.asyncio reports a failed NOBLOCK send in the returned (done) future, not by raising
+            sent = self._sock.send_multipart([runner_id.encode(), frame], flags=zmq.NOBLOCK)
+            exc = sent.exception() if sent.done() else None
+        except zmq.ZMQError as err:
+            exc = err
+        if exc is None:
             return True
-        except zmq.ZMQError as exc:
-            log.warning("send to runner %s failed: %s", runner_id, exc)
-            return False
+        log.warning("send to runner %s failed: %s", runner_id, exc)
+        return False
 
     def _forget(self, p: Pending) -> str | None:
         """Forget `p`; return the runner of its current attempt if it may still run it."""

@@ -20,6 +20,7 @@ import torch
 import zmq
 
 from kvserve.kernels import get_backend
+from kvserve.memsvc.client import MemClient
 from kvserve.messages.frontend_runner import (
     DOWN,
     UP,
@@ -84,8 +85,9 @@ class FakeFrontend:
         return bool(outs) and outs[-1].finish_reason != ""
 
     def close(self) -> None:
-        self.sock.close(0)
-        self.ctx.term()
+        if not self.sock.closed:
+            self.sock.close(0)
+            self.ctx.term()
 
 
 @pytest.mark.timeout(150)
@@ -146,7 +148,7 @@ def test_runner_process_serves_aborts_survives_memsvc_restart(tmp_path_factory: 
         last = fe.outputs("cut")[-1]
         assert last.finish_reason == "error" and "memsvc" in last.error
         fe.wait(lambda: not fe.statuses[-1].memsvc_ok, 10)
-        with memsvc_process(run_dir, margs):
+        with memsvc_process(run_dir, margs) as address:
             fe.wait(lambda: fe.statuses[-1].memsvc_ok, 60)  # re-attached
             fe.send("r1", GenerateReq("again", prompts[2], params))
             fe.wait(lambda: fe.done("again"))
@@ -154,6 +156,21 @@ def test_runner_process_serves_aborts_survives_memsvc_restart(tmp_path_factory: 
             # the Hello repeats (a restarted frontend learns of the runner), always with the
             # same pid, which a frontend that knows the runner takes as a refresh
             assert len(fe.hellos) >= 2 and {h.pid for h in fe.hellos} == {proc.pid}
+            # the frontend goes away mid-stream: the runner cannot hand over the next token
+            # batch, so after SEND_TIMEOUT_S it aborts the request (counted), never running on
+            fe.send("r1", GenerateReq("orphan", prompts[0], greedy(max_new=2000)))
+            fe.wait(lambda: len(fe.outputs("orphan")) >= 2)
+            fe.close()
+            stats = MemClient(address, name="probe", timeout_s=5)
+            try:
+                end = time.monotonic() + 10
+                while stats.stats().slots_request and time.monotonic() < end:
+                    time.sleep(0.1)
+                assert stats.stats().slots_request == 0, "the orphaned request still holds KV"
+            finally:
+                stats.close()
+            page = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5).read().decode()
+            assert "\nkvserve_runner_undelivered_outputs_total 1.0\n" in page
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=20) == 0
         out = proc.stdout.read() if proc.stdout else ""
