@@ -48,6 +48,7 @@ from kvserve.procs import pid_alive
 from kvserve.wire import WireError
 
 HEARTBEAT_INTERVAL_S = 0.3
+REPLY_POLL_S = 0.05
 
 __all__ = [
     "Admit", "Commit", "Grow", "LeaseExpired", "Layout", "MemClient", "MemsvcError", "MemsvcUnavailable",
@@ -101,18 +102,16 @@ class MemClient:
             if self._sock is None:
                 self._sock = self._socket()
             sock = self._sock
-        sock.rcvtimeo = int(self.timeout_s * 1000)  # recv raises zmq.Again after that
         sent = time.monotonic()
         sock.send(REQUESTS.encode(msg))
-        try:
-            frame = sock.recv()
-        except zmq.Again:
+        frame = self._reply(sock, sent + self.timeout_s, watch=own and not isinstance(msg, Attach))
+        if frame is None:
             if own:  # a late reply must not be read as the answer to the next request
                 self._sock.close(0)
                 self._sock = None
-            raise MemsvcUnavailable(
-                f"memsvc at {self.address} did not answer within {self.timeout_s} s"
-            ) from None
+            gone = " (its process ended)" if own and self.lease_lost else ""
+            raise MemsvcUnavailable(f"memsvc at {self.address} did not answer within "
+                                    f"{time.monotonic() - sent:.1f} s{gone}")
         try:
             reply = REPLIES.decode(frame)
         except WireError as exc:
@@ -125,6 +124,17 @@ class MemClient:
         elif isinstance(reply, AttachReply):
             self.valid_until = sent + reply.lease_ttl_s
         return reply
+
+    def _reply(self, sock: zmq.Socket, deadline: float, *, watch: bool) -> bytes | None:
+        """The reply frame, or None at the deadline or, when `watch`, as soon as the
+        heartbeat thread found the lease lost (memsvc's process gone): a runner need not wait
+        out the whole timeout for a memsvc that is known to be dead."""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or (watch and self.lease_lost):
+                return None
+            if sock.poll(int(min(left, REPLY_POLL_S) * 1000) + 1):
+                return sock.recv()
 
     # ---- public API -------------------------------------------------------------
     def attach(self, *, n_layers: int, n_kv_heads: int, head_dim: int, dtype: str = "float32") -> Layout:

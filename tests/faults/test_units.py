@@ -95,3 +95,19 @@ def test_serve_passes_limits_tls_and_auth_to_the_frontend(tmp_path: Path) -> Non
     assert not any(a.startswith(("--tls-cert", "--auth-token-file")) for a in plain), plain
     with pytest.raises(ConfigError, match="--tls-cert and --tls-key must be given together"):
         load_serve_config(env={}, flags={"tls_cert": "/c.pem"})
+
+
+def test_serve_shares_the_cores_among_several_runners(tmp_path: Path) -> None:
+    """Each of N runners with torch's default thread count would take every core (and OpenMP
+    spins): serve gives each its share, unless --threads says otherwise."""
+    import os
+
+    cores = os.cpu_count() or 1
+    two = Supervisor(load_serve_config(env={}, flags={"runners": 2}), tmp_path).by_role("runner")
+    assert all(f"--threads={max(1, cores // 2)}" in c.argv for c in two), [c.argv for c in two]
+    one = Supervisor(ServeConfig(), tmp_path).by_role("runner")[0].argv
+    assert not any(a.startswith("--threads") for a in one), one
+    from kvserve.config.runner import RunnerConfig
+
+    mine = Supervisor(ServeConfig(runners=2, runner=RunnerConfig(threads=3)), tmp_path).by_role("runner")
+    assert all("--threads=3" in c.argv for c in mine)
