@@ -98,8 +98,14 @@ def test_service_lifecycle_and_hardening(unit: str) -> None:
                        ("PrivateTmp", "yes"), ("DevicePolicy", "closed"),
                        ("ProtectHome", "yes")):
         assert _get(unit, key) == [value], f"{unit}: {key}"
-    assert not _get(unit, "ProtectProc") and not _get(unit, "ProcSubset"), (
-        "runners open memsvc's memfds through /proc/<pid>/fd")
+    if unit != "kvserve-frontend.service":
+        assert not _get(unit, "ProtectProc") and not _get(unit, "ProcSubset"), (
+            "runners open memsvc's memfds through /proc/<pid>/fd")
+    assert _get(unit, "SystemCallFilter")[0] == "@system-service", unit
+    assert "@privileged" in _get(unit, "SystemCallFilter")[1].removeprefix("~").split(), unit
+    assert _get(unit, "SystemCallErrorNumber") == ["EPERM"], unit
+    assert _get(unit, "IPAddressDeny") == ["any"] and _get(unit, "IPAddressAllow") == ["localhost"]
+    assert _get(unit, "RemoveIPC") == ["yes"] and _get(unit, "PrivateMounts") == ["yes"], unit
     for dev in _get(unit, "DeviceAllow"):
         path = dev.split()[0]
         assert path.startswith(("/dev/nvidia", "char-nvidia")), f"{unit}: DeviceAllow={dev}"
@@ -113,6 +119,51 @@ def test_gpu_units_see_the_gpus_and_the_frontend_none() -> None:
         assert {"/dev/nvidiactl", "/dev/nvidia-uvm", "char-nvidia-frontend"} <= allowed
     assert not _get("kvserve-frontend.service", "DeviceAllow")
     assert _get("kvserve-frontend.service", "PrivateDevices") == ["yes"]
+
+
+def test_gpu_units_keep_their_devices_and_only_the_runner_locks_memory() -> None:
+    """PrivateDevices=yes would hide /dev/nvidia* from CUDA (the runner's unit says why)."""
+    for unit in ("kvserve-memsvc.service", "kvserve-runner@.service"):
+        assert not _get(unit, "PrivateDevices"), unit
+    assert "PrivateDevices=yes" in (SYSTEMD_DIR / "kvserve-runner@.service").read_text()
+    assert not _get("kvserve-memsvc.service", "LimitMEMLOCK")
+    assert not _get("kvserve-frontend.service", "LimitMEMLOCK")
+
+
+# `systemd-analyze security` exposure (0 = locked down, 10 = fully exposed) each unit must
+# stay at or under: the runner gets more room for CUDA (devices, @resources, MEMLOCK).
+EXPOSURE_LIMITS = {"kvserve-memsvc.service": 2.0, "kvserve-runner@.service": 2.5,
+                   "kvserve-frontend.service": 2.0}
+_EXPOSURE_RE = re.compile(r"Overall exposure level for (\S+): (\d+(?:\.\d+)?)")
+
+
+def _exposure(systemd_analyze: str, path: Path) -> float:
+    """The overall exposure `systemd-analyze security --offline=true` gives the unit file."""
+    res = subprocess.run([systemd_analyze, "security", "--offline=true", "--no-pager", str(path)],
+                         capture_output=True, text=True, timeout=60)
+    found = _EXPOSURE_RE.findall(res.stdout + res.stderr)
+    assert res.returncode == 0 and len(found) == 1, (
+        f"no single 'Overall exposure level' line for {path}:\n{res.stdout}{res.stderr}")
+    return float(found[0][1])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("unit", SERVICES)
+def test_systemd_security_exposure(systemd_analyze: str, unit: str) -> None:
+    score = _exposure(systemd_analyze, SYSTEMD_DIR / unit)
+    assert score <= EXPOSURE_LIMITS[unit], f"{unit}: exposure {score} > {EXPOSURE_LIMITS[unit]}"
+
+
+@pytest.mark.timeout(60)
+def test_systemd_security_exposure_catches_a_loose_unit(systemd_analyze: str,
+                                                       tmp_path: Path) -> None:
+    """The frontend without its hardening block must score over every limit above."""
+    text = (SYSTEMD_DIR / "kvserve-frontend.service").read_text()
+    service, _, rest = text.partition("\nNoNewPrivileges=")
+    loose = tmp_path / "kvserve-loose.service"
+    loose.write_text(service + "\n[Install]" + rest.partition("[Install]")[2])
+    assert "SystemCallFilter" not in loose.read_text()
+    assert _exposure(systemd_analyze, loose) > max(EXPOSURE_LIMITS.values())
 
 
 def test_runner_is_bound_to_memsvc_and_uses_its_instance() -> None:
