@@ -39,7 +39,9 @@ class RunnerConfig:
     chunk_size: int = option(512, help="most prompt tokens of one request computed in one step")
     runtime_dir: str = option("", help="directory of ipc sockets ('' = kvserve.paths.runtime_dir())")
     threads: int = option(0, help="torch CPU threads (0 = torch's default)")
-    seed: int = option(0, help="seed of the generator used by unseeded sampled requests")
+    seed: int = option(0, help="seed of the generator unseeded sampled requests share: 0 = fresh "
+                               "entropy at start (runners differ); another value repeats their tokens "
+                               "run after run. A request's own seed is reproducible whatever this is")
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype)

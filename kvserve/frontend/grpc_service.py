@@ -29,6 +29,8 @@ from kvserve.v1 import generator_pb2 as pb
 from kvserve.v1 import generator_pb2_grpc as pb_grpc
 
 DETOK_CONTEXT = 4  # prompt tokens seeding the detokenizer window
+RUNNER_ERROR_CODES = {"INTERNAL": grpc.StatusCode.INTERNAL, "INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT}
+"""TokenOut.error_code -> status of the call; any other code (or "") is UNAVAILABLE."""
 
 
 @dataclass(slots=True)
@@ -146,7 +148,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                 return
             out = event
             if out.finish_reason == FinishReason.ERROR:
-                await self._fail(context, grpc.StatusCode.UNAVAILABLE,
+                await self._fail(context, RUNNER_ERROR_CODES.get(out.error_code, grpc.StatusCode.UNAVAILABLE),
                                  f"the runner failed the request: {out.error or 'unknown error'}")
             self._observe(call, out)
             text, stopped = stream.push(out.token_ids)

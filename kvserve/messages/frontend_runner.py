@@ -14,7 +14,8 @@ frontend. `DOWN` decodes what a runner receives, `UP` what the frontend receives
 `kvserve.wire`). A change of shape bumps `PROTOCOL_VERSION`, which `Hello` carries; the
 frontend ignores a runner of another version (version 2: request ids are `request_id`,
 `Hello` lost `model` and `max_running`, `TokenOut` lost `prompt_tokens` and
-`completion_tokens`: nothing read them).
+`completion_tokens`: nothing read them; version 3: `TokenOut.error_code`, which a
+version-2 frontend cannot decode).
 """
 
 from __future__ import annotations
@@ -31,8 +32,12 @@ STATUS_INTERVAL_S = 0.25
 `RUNNER_TIMEOUT_S` of silence (or at once when its local pid is gone)."""
 RUNNER_TIMEOUT_S = 1.5
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """The shape of this link's messages; `Hello.protocol` carries the runner's."""
+
+GREEDY_TEMPERATURE = 1e-5
+"""A temperature below this samples greedily (the argmax), in the runner and as the
+frontend accepts it: dividing logits by, say, 1e-40 overflows float32."""
 
 
 def hello_protocol(frame: bytes) -> int | None:
@@ -60,7 +65,7 @@ class FinishReason:
 class SamplingParams(Item, frozen=True, gc=False):
     """Per-request sampling. The frontend validates ranges before sending."""
 
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # below GREEDY_TEMPERATURE (e.g. 0) = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     min_p: float = 0.0
@@ -118,6 +123,10 @@ class TokenOut(Item, frozen=True, gc=False):
     cached_tokens: int = 0
     queue_time: float = 0.0  # seconds from arrival to first scheduling (first TokenOut only)
     error: str = ""
+    # With finish_reason "error": the gRPC status name the client gets. "" = UNAVAILABLE (the
+    # runner or memsvc is in trouble, a retry may pass), "INTERNAL" (a fault such as NaN
+    # logits), "INVALID_ARGUMENT" (the runner refused a field; `error` names it).
+    error_code: str = ""
 
 
 class TokenBatch(Message, frozen=True, gc=False):

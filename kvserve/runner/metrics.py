@@ -29,6 +29,7 @@ class RunnerMetrics:
     memsvc_calls: Counter = field(init=False)
     bad_messages: Counter = field(init=False)
     undelivered: Counter = field(init=False)
+    nonfinite_logits: Counter = field(init=False)
     info: Info = field(init=False)
 
     def __post_init__(self) -> None:
@@ -56,6 +57,11 @@ class RunnerMetrics:
             "kvserve_runner_undelivered_outputs",
             "Token batches the frontend could not take within the send timeout; their "
             "requests were aborted here.", registry=r,
+        )
+        self.nonfinite_logits = Counter(
+            "kvserve_runner_nonfinite_logits",
+            "Requests failed (INTERNAL) because the model's logits for them held NaN or inf.",
+            registry=r,
         )
         self.info = Info("kvserve_runner", "Runner build and configuration.", registry=r)
         for phase in RUNNER_PHASES:

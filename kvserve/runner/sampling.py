@@ -1,26 +1,43 @@
 """Token sampling for one scheduler step, vectorized over the batch.
 
-Order of operations per row (the order vLLM and transformers use): repetition /
-presence / frequency penalties on the logits; greedy rows (temperature 0) take the
-argmax; the others are divided by their temperature, filtered by top-k, then top-p,
-then min-p, and sampled by an exponential race (``argmax(p / E)``, ``E ~ Exp(1)``),
-which picks token i with probability p_i. A seeded request draws its noise from its own
-`torch.Generator`, one full-vocabulary draw per sampled token, so its output does not
-depend on what else is in the batch. Logprobs are those of the model's raw distribution
-(log-softmax of the unprocessed logits), the sampled token's and the top-n.
+Order of operations per row (the order vLLM and transformers use): a row whose logits
+hold NaN or inf is not sampled (it is reported in `SampleOutput.nonfinite`, its
+request fails); repetition / presence / frequency penalties on the logits; greedy rows
+(temperature below `GREEDY_TEMPERATURE`) take the argmax; the others are divided by
+their temperature, filtered by top-k, then top-p, then min-p, and sampled by an
+exponential race (``argmax(p / E)``, ``E ~ Exp(1)``), which picks token i with
+probability p_i. A seeded request draws its noise from its own `torch.Generator`, one
+full-vocabulary draw per sampled token, so its output does not depend on what else is
+in the batch or on the runner. Unseeded requests share the sampler's generator, seeded
+from fresh entropy unless a seed is given. Logprobs are those of the model's raw
+distribution (log-softmax of the unprocessed logits), the sampled token's and the top-n.
 
-When the whole batch is greedy, unpenalized and wants no logprobs, sampling is one
-argmax. This module knows nothing about requests' lifecycles, memsvc or sockets.
+Every step is kept finite whatever the (validated) parameters: penalized logits are
+clamped to the float32 range and the temperature divides logits shifted so their
+maximum is 0, so no row can overflow to inf and NaN. This module knows nothing about
+requests' lifecycles, memsvc or sockets.
 """
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from kvserve.messages.frontend_runner import SamplingParams, TokenLogprob
+from kvserve.messages.frontend_runner import GREEDY_TEMPERATURE, SamplingParams, TokenLogprob
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
+FLOAT32_TINY = torch.finfo(torch.float32).tiny
+SEED_RANGE = (-(1 << 63), 1 << 64)
+"""Seeds a request may carry: what `torch.Generator.manual_seed` takes (and msgpack can carry)."""
+
+
+def is_greedy(params: SamplingParams) -> bool:
+    """True when `params` samples greedily: temperature below `GREEDY_TEMPERATURE` (dividing
+    logits by such a temperature overflows float32)."""
+    return params.temperature < GREEDY_TEMPERATURE
 
 
 def needs_penalties(params: SamplingParams) -> bool:
@@ -73,12 +90,18 @@ class SampleRow:
 class SampleOutput:
     """Sampled token per row; logprobs per row (None where the request wants none)."""
 
-    token_ids: list[int]
+    token_ids: list[int]  # -1 where nonfinite
     logprobs: list[TokenLogprob | None]
+    nonfinite: list[bool]  # the row's logits held NaN or inf: not sampled
 
 
-def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
-    """A generator for one seeded request (its whole sampling stream)."""
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:
+    """A generator for one seeded request (its whole sampling stream), or, with `seed`
+    None, one seeded from fresh entropy (`secrets`), different in every process."""
+    if seed is None:
+        seed = secrets.randbits(64)
+    elif not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
+        raise ValueError(f"seed {seed} is outside [-2**63, 2**64)")
     gen = torch.Generator(device=device)
     gen.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
     return gen
@@ -92,7 +115,9 @@ def apply_penalties(
 
     repetition (transformers semantics, tokens of prompt or output): positive logits are
     divided by the penalty, negative ones multiplied; presence: minus `presence` for each
-    token generated at least once; frequency: minus `frequency` times its count.
+    token generated at least once; frequency: minus `frequency` times its count. Each
+    result is clamped to the float32 range, so huge penalties give huge logits, never
+    inf or NaN (finite logits and finite penalties in, finite logits out).
     """
     dev = logits.device
     idx = torch.tensor(list(rows), dtype=torch.long, device=dev)
@@ -100,13 +125,19 @@ def apply_penalties(
     counts = torch.stack([s.counts for s in states])
     seen_out = counts > 0
     seen = seen_out | torch.stack([s.prompt_mask for s in states])
-    rep = torch.tensor([p.repetition_penalty for p in params], device=dev)[:, None]
+    rep = _f32([p.repetition_penalty for p in params], dev).clamp(min=FLOAT32_TINY)
     factor = torch.where(seen, rep, torch.ones_like(rep))
-    sub = torch.where(sub > 0, sub / factor, sub * factor)
-    pres = torch.tensor([p.presence_penalty for p in params], device=dev)[:, None]
-    freq = torch.tensor([p.frequency_penalty for p in params], device=dev)[:, None]
-    sub = sub - freq * counts - pres * seen_out.float()
+    sub = torch.where(sub > 0, sub / factor, sub * factor).clamp(-FLOAT32_MAX, FLOAT32_MAX)
+    pres = _f32([p.presence_penalty for p in params], dev)
+    freq = _f32([p.frequency_penalty for p in params], dev)
+    sub = (sub - (freq * counts).clamp(-FLOAT32_MAX, FLOAT32_MAX)).clamp(-FLOAT32_MAX, FLOAT32_MAX)
+    sub = (sub - pres * seen_out.float()).clamp(-FLOAT32_MAX, FLOAT32_MAX)
     logits.index_copy_(0, idx, sub)
+
+
+def _f32(values: list[float], device: torch.device) -> torch.Tensor:
+    """[B, 1] float32 column of `values`, each clamped to the finite float32 range."""
+    return torch.tensor(values, dtype=torch.float32, device=device).clamp(-FLOAT32_MAX, FLOAT32_MAX)[:, None]
 
 
 def filter_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -133,28 +164,34 @@ def filter_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 class Sampler:
     """Samples one token per row of a step's logits. Holds the generator that unseeded
-    sampled requests share; seeded requests bring their own (`SampleRow.generator`)."""
+    sampled requests share (seeded with `seed`, or from fresh entropy when it is None, so
+    that two runners never draw the same "random" tokens); seeded requests bring their
+    own (`SampleRow.generator`)."""
 
-    def __init__(self, *, device: torch.device | str = "cpu", seed: int = 0) -> None:
+    def __init__(self, *, device: torch.device | str = "cpu", seed: int | None = None) -> None:
         self.device = torch.device(device)
         self.generator = make_generator(seed, self.device)
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleOutput:
         """Pick the next token of each row of `logits` ([B, V] float32, one row per entry
-        of `rows`). Does not mutate the penalty states: the caller counts the new tokens."""
+        of `rows`). A row holding NaN or inf is not sampled: its `nonfinite` entry is True
+        and its token -1. Does not mutate `logits` or the penalty states: the caller counts
+        the new tokens."""
         n = len(rows)
         if logits.shape[0] != n:
             raise ValueError(f"logits has {logits.shape[0]} rows, {n} sample rows given")
         params = [r.params for r in rows]
-        top_n = max((p.logprobs for p in params), default=0)
+        # One pass, no device sync: bad rows become zeros here and -1 in the one .tolist().
+        finite = torch.isfinite(logits).all(dim=-1)
+        logits = torch.where(finite[:, None], logits, 0.0)
+        top_n = min(max((p.logprobs for p in params), default=0), logits.shape[-1])
         raw_logprobs = logits.log_softmax(dim=-1) if top_n > 0 else None
         penal = [i for i, r in enumerate(rows) if r.penalties is not None]
         if penal:
-            logits = logits.clone()
             apply_penalties(
                 logits, penal, [rows[i].penalties for i in penal], [params[i] for i in penal]  # type: ignore[misc]
             )
-        sampled = [i for i, p in enumerate(params) if p.temperature > 0]
+        sampled = [i for i, p in enumerate(params) if not is_greedy(p)]
         tokens = logits.argmax(dim=-1)
         if sampled:
             chosen = self._sample_rows(logits, sampled, rows)
@@ -163,11 +200,13 @@ class Sampler:
             else:
                 idx = torch.tensor(sampled, dtype=torch.long, device=logits.device)
                 tokens = tokens.index_copy(0, idx, chosen)
-        token_ids = tokens.tolist()
+        token_ids = torch.where(finite, tokens, -1).tolist()
+        nonfinite = [t < 0 for t in token_ids]
         logprobs: list[TokenLogprob | None] = [None] * n
         if raw_logprobs is not None:
             logprobs = _gather_logprobs(raw_logprobs, tokens, params, top_n)
-        return SampleOutput(token_ids=token_ids, logprobs=logprobs)
+            logprobs = [None if bad else lp for lp, bad in zip(logprobs, nonfinite, strict=True)]
+        return SampleOutput(token_ids=token_ids, logprobs=logprobs, nonfinite=nonfinite)
 
     def _sample_rows(
         self, logits: torch.Tensor, idx_list: list[int], rows: Sequence[SampleRow]
@@ -176,10 +215,13 @@ class Sampler:
         params = [rows[i].params for i in idx_list]
         idx = torch.tensor(idx_list, dtype=torch.long, device=dev)
         x = logits.index_select(0, idx) if len(idx_list) != logits.shape[0] else logits
-        temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
-        x = x / temp[:, None]
+        temp = _f32([p.temperature for p in params], dev)
+        # Shifted so each row's maximum is 0: dividing by a small temperature then sends the
+        # others towards -inf, never the maximum to +inf (whose softmax would be NaN).
+        x = (x - x.amax(dim=-1, keepdim=True)) / temp
+        vocab = x.shape[-1]
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev)
+            top_k = torch.tensor([min(p.top_k, vocab) for p in params], dtype=torch.long, device=dev)
             top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
             x = filter_top_k_top_p(x, top_k, top_p)
         probs = x.softmax(dim=-1)
@@ -199,7 +241,8 @@ class Sampler:
             gen = rows[i].generator
             if gen is not None:
                 noise[j].exponential_(generator=gen)
-        return (probs / noise).argmax(dim=-1)
+        # A draw of exactly 0 would make p / E inf, or NaN (the maximum) for a filtered token.
+        return (probs / noise.clamp_(min=FLOAT32_TINY)).argmax(dim=-1)
 
 
 def _gather_logprobs(

@@ -10,10 +10,17 @@ commit=, release=)``, ``req_to_token``, ``k_buffer``, ``v_buffer``, ``kv_usage()
 pool layout and a clock, so tests drive it directly. It knows nothing about ZMQ, the
 frontend or how memsvc is reached; memsvc errors propagate to the caller, which calls
 `fail_running` and `rebind` after re-attaching.
+
+The frontend link is a socket: `add` checks every field of a `GenerateReq` (a buggy or
+hostile peer can send anything that decodes) and fails a bad one with an error naming
+the field. A request whose logits come out NaN or inf fails with error_code INTERNAL,
+its KV released uncommitted (it may hold the NaNs).
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,31 +28,82 @@ from typing import Any
 
 import torch
 
-from kvserve.messages.frontend_runner import FinishReason, GenerateReq, TokenOut
+from kvserve.messages.frontend_runner import FinishReason, GenerateReq, SamplingParams, TokenOut
 from kvserve.messages.runner_memsvc import Layout
 from kvserve.runner.batching import ForwardBatch
 from kvserve.runner.kvplan import KVPlanner, Work
 from kvserve.runner.requests import Request, RequestTable, State
 from kvserve.runner.sampling import (
+    SEED_RANGE,
     PenaltyState,
     Sampler,
     SampleRow,
+    is_greedy,
     make_generator,
     needs_penalties,
 )
 
+log = logging.getLogger("kvserve.runner")
+
 MAX_WAITING = 4096
 """Requests one runner queues; more fail at once (the frontend bounds them well below)."""
+MAX_LOGPROBS = 20
+"""Top-n logprobs a request may ask for (the frontend's cap, `validation.MAX_LOGPROBS`)."""
+MAX_STOP_TOKEN_IDS = 4096
+"""Stop token ids one request may carry (above the frontend's default max_stop_token_ids, 256)."""
+MAX_NEW_TOKENS = (1 << 63) - 1
+"""The largest max_new_tokens taken (the context length ends a request long before)."""
 
 
-def failed_output(request_id: str, error: str) -> TokenOut:
+class ErrorCode:
+    """Values of `TokenOut.error_code`: the gRPC status a failed request ends with."""
+
+    UNAVAILABLE = ""  # the runner or memsvc is in trouble; a retry may pass
+    INTERNAL = "INTERNAL"
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+
+
+def failed_output(request_id: str, error: str, code: str = ErrorCode.UNAVAILABLE) -> TokenOut:
     """The final output of a request that fails before it produced anything."""
-    return TokenOut(request_id=request_id, token_ids=[], finish_reason=FinishReason.ERROR, error=error)
+    return TokenOut(request_id=request_id, token_ids=[], finish_reason=FinishReason.ERROR, error=error,
+                    error_code=code)
+
+
+def check_params(p: SamplingParams, vocab_size: int) -> str:
+    """The first bad field of `p` as ``"params.<field>: <problem>"``; "" when all are good."""
+    if not (math.isfinite(p.temperature) and p.temperature >= 0):
+        return f"params.temperature: must be a finite number >= 0, got {p.temperature}"
+    if not 0 < p.top_p <= 1:
+        return f"params.top_p: must be in (0, 1], got {p.top_p}"
+    if p.top_k < 0:
+        return f"params.top_k: must be >= 0 (0 = off), got {p.top_k}"
+    if not 0 <= p.min_p <= 1:
+        return f"params.min_p: must be in [0, 1], got {p.min_p}"
+    if not (math.isfinite(p.repetition_penalty) and p.repetition_penalty > 0):
+        return f"params.repetition_penalty: must be a finite number > 0, got {p.repetition_penalty}"
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not math.isfinite(getattr(p, name)):
+            return f"params.{name}: must be a finite number, got {getattr(p, name)}"
+    if p.seed is not None and not SEED_RANGE[0] <= p.seed < SEED_RANGE[1]:
+        return f"params.seed: must be in [-2**63, 2**64), got {p.seed}"
+    if not 1 <= p.max_new_tokens <= MAX_NEW_TOKENS:
+        return f"params.max_new_tokens: must be in 1..2**63-1, got {p.max_new_tokens}"
+    if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        return f"params.stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(p.stop_token_ids)}"
+    for i, tid in enumerate(p.stop_token_ids):
+        if not 0 <= tid < vocab_size:
+            return f"params.stop_token_ids[{i}]: id {tid} is not in [0, {vocab_size})"
+    if not 0 <= p.logprobs <= MAX_LOGPROBS:
+        return f"params.logprobs: must be in 0..{MAX_LOGPROBS}, got {p.logprobs}"
+    return ""
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    """Batching limits of one runner."""
+    """Batching limits of one runner, and the seed of the generator its unseeded sampled
+    requests share: 0 (the default) = fresh entropy at start, so that no two runners (or
+    restarts) draw the same tokens; another value repeats them run after run (tests,
+    debugging). A request's own seed is reproducible whatever this is."""
 
     max_running: int = 256
     max_batch_tokens: int = 2048
@@ -79,7 +137,7 @@ class Scheduler:
         cfg = model.config
         self.vocab_size = int(cfg.vocab_size)
         self.device = torch.device(model.device)
-        self.sampler = Sampler(device=self.device, seed=self.config.seed)
+        self.sampler = Sampler(device=self.device, seed=self.config.seed or None)
         self.table = RequestTable()
         self._outbox: list[TokenOut] = []
         self._aborts: list[str] = []
@@ -99,13 +157,13 @@ class Scheduler:
     def add(self, msg: GenerateReq) -> None:
         """Queue a request; invalid ones produce an error output at the next step."""
         p = msg.params
-        error = self._validate(msg)
-        if error:
-            self._outbox.append(failed_output(msg.request_id, error))
+        refused = self._validate(msg)
+        if refused is not None:
+            self._outbox.append(refused)
             return
         stop = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_ids))
         row = SampleRow(p)
-        if p.seed is not None and p.temperature > 0:
+        if p.seed is not None and not is_greedy(p):
             row.generator = make_generator(p.seed, self.device)
         if needs_penalties(p):
             row.penalties = PenaltyState.create(msg.token_ids, self.vocab_size, self.device)
@@ -118,21 +176,26 @@ class Scheduler:
         )
         self.table.add(req)
 
-    def _validate(self, msg: GenerateReq) -> str:
+    def _validate(self, msg: GenerateReq) -> TokenOut | None:
+        """The error output refusing `msg`, or None when every field is good."""
         n = len(msg.token_ids)
-        if msg.request_id in self.table:
-            return f"request_id {msg.request_id!r} is already in use on this runner"
+        rid = msg.request_id
+        if rid in self.table:
+            return failed_output(rid, f"request_id {rid!r} is already in use on this runner", ErrorCode.INTERNAL)
         if len(self.table.waiting) >= MAX_WAITING:
-            return f"the runner's queue is full ({MAX_WAITING} requests waiting)"
+            return failed_output(rid, f"the runner's queue is full ({MAX_WAITING} requests waiting)")
+        error = ""
         if n == 0:
-            return "token_ids: the prompt is empty"
-        if n >= self.max_context_len:
-            return f"token_ids: prompt of {n} tokens does not fit the context length {self.max_context_len}"
-        if min(msg.token_ids) < 0 or max(msg.token_ids) >= self.vocab_size:
-            return f"token_ids: ids must be in [0, {self.vocab_size})"
-        if msg.params.max_new_tokens < 1:
-            return "max_new_tokens: must be >= 1"
-        return ""
+            error = "token_ids: the prompt is empty"
+        elif n >= self.max_context_len:
+            error = f"token_ids: prompt of {n} tokens does not fit the context length {self.max_context_len}"
+        elif min(msg.token_ids) < 0 or max(msg.token_ids) >= self.vocab_size:
+            error = f"token_ids: ids must be in [0, {self.vocab_size})"
+        elif not math.isfinite(msg.arrival_time):
+            error = f"arrival_time: must be a finite number, got {msg.arrival_time}"
+        else:
+            error = check_params(msg.params, self.vocab_size)
+        return failed_output(rid, error, ErrorCode.INVALID_ARGUMENT) if error else None
 
     def abort(self, request_id: str) -> None:
         """Abort `request_id` at the start of the next step (unknown request_ids are ignored)."""
@@ -209,8 +272,9 @@ class Scheduler:
         out: list[TokenOut] = []
         if batch.sampling:
             sampled = self.sampler.sample(logits, [r.sample_row for r in batch.sampling])
-            for req, tok, lp in zip(batch.sampling, sampled.token_ids, sampled.logprobs, strict=True):
-                out.append(self._emit(req, tok, lp))
+            for req, tok, lp, bad in zip(batch.sampling, sampled.token_ids, sampled.logprobs,
+                                         sampled.nonfinite, strict=True):
+                out.append(self._fail_nonfinite(req) if bad else self._emit(req, tok, lp))
         if self.metrics is not None:
             phase = "decode" if batch.is_decode else ("prefill" if not batch.sampling or len(plan) == 1 else "mixed")
             self.metrics.step_seconds.labels(phase=phase).observe(t1 - t0)
@@ -238,11 +302,24 @@ class Scheduler:
             self.table.finish(req)
         return out
 
-    def _final(self, req: Request, reason: str, error: str = "") -> TokenOut:
+    def _fail_nonfinite(self, req: Request) -> TokenOut:
+        """The model gave `req` NaN or inf logits: fail it (INTERNAL), its KV released
+        without a commit, so that nothing it computed enters the prefix cache."""
+        log.error("request %s: non-finite logits at position %d; failing it", req.request_id, len(req.tokens))
+        if self.metrics is not None:
+            self.metrics.nonfinite_logits.inc()
+        self.kv.release(req, keep_kv=False)
+        out = self._final(req, FinishReason.ERROR, error="the model produced non-finite logits (NaN or inf)",
+                          code=ErrorCode.INTERNAL)
+        self.table.finish(req)
+        return out
+
+    def _final(self, req: Request, reason: str, error: str = "", code: str = ErrorCode.UNAVAILABLE) -> TokenOut:
         return TokenOut(
             request_id=req.request_id, token_ids=[], finish_reason=reason,
             cached_tokens=max(req.cached_tokens, 0),
             queue_time=0.0 if req.first_sent or req.queue_time < 0 else req.queue_time, error=error,
+            error_code=code,
         )
 
     # ---- memsvc failure ----------------------------------------------------------------

@@ -27,10 +27,21 @@ from kvserve.messages.frontend_runner import (
     Hello,
     RunnerStatus,
     TokenBatch,
+    TokenLogprob,
     TokenOut,
 )
 
 EOS = 256
+
+
+def fake_logprob(tok: int, n: int) -> TokenLogprob:
+    """The logprobs a FakeRunner with `with_logprobs` reports for token `tok` when the
+    request asks for `n`: every id paired with a value of its own (exact in float32)."""
+    return TokenLogprob(
+        logprob=-0.125 - (tok % 7) / 8,
+        top_ids=[(tok + j) % (EOS + 1) for j in range(n)],
+        top_logprobs=[-1.0 - j - ((tok + j) % (EOS + 1)) / 1024 for j in range(n)],
+    )
 
 
 @dataclass
@@ -48,6 +59,8 @@ class FakeRunner:
     hold: bool = False  # accept requests but never produce tokens
     max_context_len: int = 4096
     received: list = field(default_factory=list)
+    with_logprobs: bool = False  # report `fake_logprob` for requests that ask for logprobs
+    fail_with: tuple[str, str] | None = None  # (error, error_code): fail each request at its first step
 
     def __post_init__(self) -> None:
         self._sleeper = subprocess.Popen(["sleep", "600"])
@@ -142,6 +155,12 @@ class FakeRunner:
         with self._lock:
             for request_id, r in list(self._running.items()):
                 p = r.req.params
+                if self.fail_with is not None:
+                    error, code = self.fail_with
+                    outs.append(TokenOut(request_id=request_id, token_ids=[], finish_reason=FinishReason.ERROR,
+                                         error=error, error_code=code))
+                    del self._running[request_id]
+                    continue
                 tok = data[r.produced] if r.produced < len(data) else EOS
                 r.produced += 1
                 reason = ""
@@ -152,7 +171,9 @@ class FakeRunner:
                 elif r.produced >= p.max_new_tokens:
                     reason = FinishReason.LENGTH
                 outs.append(TokenOut(request_id=request_id, token_ids=[tok], finish_reason=reason, cached_tokens=2,
-                                     queue_time=0.001 if r.produced == 1 else 0.0))
+                                     queue_time=0.001 if r.produced == 1 else 0.0,
+                                     logprobs=[fake_logprob(tok, p.logprobs)]
+                                     if self.with_logprobs and p.logprobs > 0 else []))
                 if reason:
                     del self._running[request_id]
         return outs

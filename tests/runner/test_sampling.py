@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from kvserve.messages.frontend_runner import SamplingParams
+from kvserve.messages.frontend_runner import GREEDY_TEMPERATURE, SamplingParams
 from kvserve.runner.sampling import (
+    FLOAT32_MAX,
     PenaltyState,
     Sampler,
     SampleRow,
@@ -72,6 +73,65 @@ def test_penalties_hand_computed() -> None:
     # token0 (prompt) 2/2=1; token1 (prompt) -2*2=-4; token2 (output x2) 1/2 - 2*0.5 - 0.25;
     # token3, token4 unseen: unchanged
     assert logits[0].tolist() == pytest.approx([1.0, -4.0, -0.75, 0.5, 3.0])
+
+
+def _penalized_by_hand(logits: list[float], prompt: set[int], counts: dict[int, int], rep: float,
+                       presence: float, frequency: float) -> list[float]:
+    """The penalty formulas written out token by token (transformers / OpenAI semantics)."""
+    out = []
+    for tok, x in enumerate(logits):
+        n = counts.get(tok, 0)
+        if tok in prompt or n:
+            x = x / rep if x > 0 else x * rep
+        out.append(x - frequency * n - (presence if n else 0.0))
+    return out
+
+
+def test_penalties_shape_the_sampled_distribution_as_hand_computed() -> None:
+    """Penalties, then temperature, then sampling: the frequencies are those of the
+    softmax of the hand-penalized logits (and far from the unpenalized ones)."""
+    raw = [2.0, 1.0, -1.0, 0.5, 0.0]
+    prompt, generated = [1], [0, 0, 2]
+    rep, presence, frequency, temp = 1.5, 0.3, 0.2, 0.8
+    want = _penalized_by_hand(raw, set(prompt), {0: 2, 2: 1}, rep, presence, frequency)
+    assert want == pytest.approx([2 / 1.5 - 0.4 - 0.3, 1 / 1.5, -1.5 - 0.2 - 0.3, 0.5, 0.0])
+    probs = torch.tensor(want).div(temp).softmax(-1).tolist()
+    unpenalized = torch.tensor(raw).div(temp).softmax(-1).tolist()
+    assert abs(probs[0] - unpenalized[0]) > 0.2  # the check below can tell them apart
+
+    n = 20000
+    state = PenaltyState.create(prompt, len(raw), "cpu", output_ids=generated)
+    params = SamplingParams(temperature=temp, repetition_penalty=rep, presence_penalty=presence,
+                            frequency_penalty=frequency)
+    rows = [SampleRow(params, penalties=state)] * n
+    toks = torch.tensor(Sampler(seed=11).sample(torch.tensor(raw).repeat(n, 1), rows).token_ids)
+    freq = (torch.bincount(toks, minlength=len(raw)).float() / n).tolist()
+    assert freq == pytest.approx(probs, abs=0.015)
+
+
+def test_penalties_act_on_the_right_tokens_greedily() -> None:
+    """Greedy rows pick the argmax of the penalized logits: each penalty alone flips the
+    choice (or keeps it) the way the formulas say, and only for the tokens it concerns."""
+    row = [3.0, 2.5, 2.0, -0.5]
+    negative = [-1.0, -1.2, -3.0, -4.0]
+    cases = [  # (logits, prompt, generated, params, expected token)
+        (row, [0], [], SamplingParams(repetition_penalty=1.5), 1),  # 3/1.5 = 2 < 2.5
+        (row, [], [0], SamplingParams(presence_penalty=0.75), 1),  # 3 - 0.75 < 2.5
+        (row, [], [0, 0], SamplingParams(frequency_penalty=0.4), 1),  # 3 - 0.8 < 2.5
+        (row, [], [0], SamplingParams(frequency_penalty=0.4), 0),  # 3 - 0.4 > 2.5
+        (row, [], [0, 0, 0], SamplingParams(frequency_penalty=0.1), 0),  # linear in the count: 3 - 0.3
+        (row, [1], [0], SamplingParams(presence_penalty=0.75), 1),  # not on prompt tokens: 2.5 > 3 - 0.75
+        (negative, [0], [], SamplingParams(repetition_penalty=1.5), 1),  # a negative logit is multiplied
+        (row, [3], [], SamplingParams(repetition_penalty=20.0), 0),  # -0.5 * 20: a negative logit only drops
+        (row, [], [3], SamplingParams(frequency_penalty=-10.0), 3),  # a negative penalty encourages
+    ]
+    for logits, prompt, generated, params, want in cases:
+        state = PenaltyState.create(prompt, 4, "cpu", output_ids=generated)
+        by_hand = _penalized_by_hand(logits, set(prompt), {t: generated.count(t) for t in generated},
+                                     params.repetition_penalty, params.presence_penalty, params.frequency_penalty)
+        assert int(torch.tensor(by_hand).argmax()) == want, (logits, prompt, generated, params)
+        got = Sampler().sample(torch.tensor([logits]), [SampleRow(params, penalties=state)]).token_ids
+        assert got == [want], (logits, prompt, generated, params)
 
 
 def test_penalty_changes_greedy_choice_and_counts_update() -> None:
@@ -158,3 +218,88 @@ def test_logprobs_are_raw_log_softmax_with_top_n() -> None:
 def test_row_count_mismatch_is_an_error() -> None:
     with pytest.raises(ValueError, match="3 rows, 1 sample rows"):
         Sampler().sample(torch.zeros(3, 4), [SampleRow(SamplingParams())])
+
+
+def test_tiny_temperature_is_greedy() -> None:
+    """Below GREEDY_TEMPERATURE a row takes the argmax (1e-40 once overflowed every logit
+    to inf, NaN after the softmax, and returned token 0 forever)."""
+    logits = torch.tensor([[0.0, 1.0, 5.0, 2.0]]).repeat(8, 1)
+    for temp in (1e-40, 1e-30, 1e-6, GREEDY_TEMPERATURE / 2):
+        rows = [SampleRow(SamplingParams(temperature=temp, top_p=0.5, min_p=0.1))] * 8
+        assert Sampler().sample(logits, rows).token_ids == [2] * 8
+
+
+def test_small_temperature_on_huge_logits_stays_finite() -> None:
+    """Just above the greedy threshold, logits near the float32 limit would overflow when
+    divided by the temperature; the sampler shifts them first and picks the maximum."""
+    logits = torch.tensor([[3e38, -3e38, 3.3e38, 1e38]]).repeat(16, 1)
+    rows = [SampleRow(SamplingParams(temperature=GREEDY_TEMPERATURE * 2, top_k=3))] * 16
+    out = Sampler().sample(logits, rows)
+    assert out.token_ids == [2] * 16 and not any(out.nonfinite)
+
+
+def test_nonfinite_rows_are_reported_not_sampled() -> None:
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor([
+        [nan, 0.0, 1.0],
+        [1.0, 2.0, 3.0],
+        [inf, 0.0, 0.0],
+        [0.0, -inf, 1.0],
+        [0.5, 4.0, 0.0],
+    ])
+    before = logits.clone()
+    rows = [
+        SampleRow(SamplingParams(temperature=1.0, logprobs=2)),
+        SampleRow(SamplingParams(logprobs=2)),
+        SampleRow(SamplingParams()),
+        SampleRow(SamplingParams(temperature=0.7), penalties=PenaltyState.create([2], 3, "cpu")),
+        SampleRow(SamplingParams(temperature=1e-3, logprobs=1)),
+    ]
+    out = Sampler().sample(logits, rows)
+    assert out.nonfinite == [True, False, True, True, False]
+    assert out.token_ids == [-1, 2, -1, -1, 1]
+    assert out.logprobs[0] is None and out.logprobs[2] is None and out.logprobs[3] is None
+    good = out.logprobs[1]
+    assert good is not None and good.top_ids == [2, 1]
+    assert good.logprob == pytest.approx(float(torch.log_softmax(before[1], -1)[2]))
+    assert torch.equal(logits.isnan(), before.isnan()) and torch.equal(logits.nan_to_num(), before.nan_to_num())
+
+
+def test_unseeded_draws_fresh_entropy_and_a_sampler_seed_repeats() -> None:
+    logits = torch.zeros(1, 1000)  # uniform: 25 equal draws from two generators never happen
+    row = [SampleRow(SamplingParams(temperature=1.0))]
+
+    def stream(sampler: Sampler) -> list[int]:
+        return [sampler.sample(logits, row).token_ids[0] for _ in range(25)]
+
+    assert stream(Sampler()) != stream(Sampler())
+    assert stream(Sampler(seed=7)) == stream(Sampler(seed=7))
+    assert stream(Sampler(seed=7)) != stream(Sampler(seed=8))
+
+
+def test_seed_range_is_torchs() -> None:
+    for seed in (-(2**63), 0, 2**64 - 1):
+        make_generator(seed, "cpu")
+    for seed in (-(2**63) - 1, 2**64):
+        with pytest.raises(ValueError, match=f"seed {seed} is outside"):
+            make_generator(seed, "cpu")
+
+
+def test_huge_penalties_give_huge_logits_not_nan() -> None:
+    """Finite penalties of any size: the penalized logits are clamped to float32, so the
+    row still samples the token the penalties favour."""
+    logits = torch.tensor([[1.0, 0.0, -1.0, 2.0]])
+    state = PenaltyState.create([0], 4, "cpu", output_ids=[2, 2])
+    for params in (
+        SamplingParams(presence_penalty=-1e300),  # token 2, generated, pushed to +max
+        SamplingParams(frequency_penalty=-1e300, repetition_penalty=1e-300),
+        SamplingParams(temperature=1.0, presence_penalty=-1e300, frequency_penalty=1e30),
+        SamplingParams(temperature=3.0, frequency_penalty=-1e300),
+    ):
+        out = Sampler().sample(logits, [SampleRow(params, penalties=state)])
+        assert out.token_ids == [2], params
+    penalized = logits.clone()
+    apply_penalties(penalized, [0], [state], [SamplingParams(repetition_penalty=1e300, frequency_penalty=1e300)])
+    assert penalized.isfinite().all()
+    # token 0 (prompt): 1 / max; token 2 (generated twice): -1 * max - 2 * max, clamped
+    assert penalized[0].tolist() == pytest.approx([1 / FLOAT32_MAX, 0.0, -FLOAT32_MAX, 2.0], abs=1e-37)

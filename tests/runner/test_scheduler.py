@@ -7,13 +7,16 @@ batch. The tiny model is "sharpened" (see runner_procs) so its output depends on
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from kvserve.kernels import get_backend
 from kvserve.messages.frontend_runner import GenerateReq, SamplingParams
+from kvserve.runner.metrics import RunnerMetrics
 from kvserve.runner.scheduler import Scheduler, SchedulerConfig
 
 from .runner_procs import (
@@ -26,6 +29,7 @@ from .runner_procs import (
     run_all,
     tokens_of,
 )
+from .test_sampling import _penalized_by_hand
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -63,9 +67,27 @@ class CountingMem:
         return self.client.step(**kw)
 
 
-def make(tiny: Any, client: Any, **kw: Any) -> Scheduler:
-    return Scheduler(model=tiny.model, mem=client, layout=client.layout, backend=get_backend("torch"),
-                     eos_token_ids=tiny.eos_token_ids, config=SchedulerConfig(**kw))
+class Tapped:
+    """The tiny model with the logits of every forward recorded, and set to NaN in the rows
+    whose token sits at one of the `poison` positions."""
+
+    def __init__(self, model: Any, poison: frozenset[int] = frozenset()) -> None:
+        self.model, self.config, self.device, self.poison = model, model.config, model.device, poison
+        self.logits: list[torch.Tensor] = []
+
+    def forward(self, input_ids: torch.Tensor, meta: Any, **kw: Any) -> torch.Tensor:
+        logits = self.model.forward(input_ids, meta, **kw)
+        if self.poison:
+            logits = logits.clone()
+            positions = meta.positions[kw["logits_indices"]]
+            logits[torch.isin(positions, torch.tensor(sorted(self.poison)))] = float("nan")
+        self.logits.append(logits.clone())
+        return logits
+
+
+def make(tiny: Any, client: Any, *, model: Any = None, metrics: Any = None, **kw: Any) -> Scheduler:
+    return Scheduler(model=model or tiny.model, mem=client, layout=client.layout, backend=get_backend("torch"),
+                     eos_token_ids=tiny.eos_token_ids, config=SchedulerConfig(**kw), metrics=metrics)
 
 
 def reqs(prompts: list[list[int]], params: SamplingParams, tag: str = "") -> list[GenerateReq]:
@@ -217,18 +239,82 @@ def test_stop_ids_eos_length_and_bad_input(tiny: Any, roomy: str) -> None:
     assert outs["long"][-1].finish_reason == "length"
     for request_id, field in (("empty", "token_ids"), ("range", "token_ids"), ("huge", "token_ids")):
         assert outs[request_id][-1].finish_reason == "error" and field in outs[request_id][-1].error
+        assert outs[request_id][-1].error_code == "INVALID_ARGUMENT"
 
 
-def test_logprobs_and_penalties_flow_through(tiny: Any, roomy: str) -> None:
+def test_logprobs_flow_through(tiny: Any, roomy: str) -> None:
     prompt = random_prompts(11, [15])[0]
+    tap = Tapped(tiny.model)
     with attached(roomy, tiny.config) as client:
-        outs = run_all(make(tiny, client), [
-            GenerateReq("lp", prompt, greedy(max_new=6, logprobs=3)),
-            GenerateReq("pen", prompt, greedy(max_new=30, frequency_penalty=100.0)),
-        ])
+        outs = run_all(make(tiny, client, model=tap), [GenerateReq("lp", prompt, greedy(max_new=6, logprobs=3))])
     lps = [lp for o in outs["lp"] for lp in o.logprobs]
-    assert len(lps) == 6
-    for tok, lp in zip(tokens_of(outs)["lp"], lps, strict=True):
-        assert lp.top_ids[0] == tok and lp.logprob == pytest.approx(lp.top_logprobs[0]) and len(lp.top_ids) == 3
-    pen = tokens_of(outs)["pen"]
-    assert len(set(pen)) == len(pen)  # a huge frequency penalty forbids any repeat
+    assert len(lps) == len(tap.logits) == 6
+    for tok, lp, logits in zip(tokens_of(outs)["lp"], lps, tap.logits, strict=True):
+        ref = torch.log_softmax(logits[0], -1)
+        top = ref.topk(3)
+        assert lp.top_ids[0] == tok and lp.top_ids == top.indices.tolist()
+        assert lp.logprob == pytest.approx(float(ref[tok]))
+        assert lp.top_logprobs == pytest.approx(top.values.tolist())
+
+
+def test_penalties_follow_the_formulas_step_by_step(tiny: Any, roomy: str) -> None:
+    """Each greedy token is the argmax of that step's logits penalized by hand from the
+    prompt and the tokens before it (the scheduler's counts and the sampler's math)."""
+    prompt = random_prompts(12, [15])[0]
+    rep, presence, frequency = 1.3, 0.4, 0.3
+    params = greedy(max_new=20, repetition_penalty=rep, presence_penalty=presence, frequency_penalty=frequency)
+    tap = Tapped(tiny.model)
+    with attached(roomy, tiny.config) as client:
+        got = tokens_of(run_all(make(tiny, client, model=tap), [GenerateReq("pen", prompt, params)]))["pen"]
+    assert len(got) == len(tap.logits) == 20  # one sampled row per forward
+    changed = 0
+    for step, logits in enumerate(tap.logits):
+        raw = logits[0].tolist()
+        by_hand = _penalized_by_hand(raw, set(prompt), Counter(got[:step]), rep, presence, frequency)
+        want = max(range(len(raw)), key=by_hand.__getitem__)
+        assert got[step] == want, f"step {step}"
+        changed += want != max(range(len(raw)), key=raw.__getitem__)
+    assert changed >= 3  # the penalties decided several tokens
+
+
+def test_nonfinite_logits_fail_only_their_request_as_internal(tiny: Any, roomy: str) -> None:
+    """NaN logits at a request's prefill (position 39 of a 40-token prompt) or in its decode
+    (position 52 of a 50-token one) fail that request with INTERNAL, counted; the others
+    in the batch go on as if alone, and nothing of a failed prefill is cached."""
+    others = random_prompts(13, [20, 33, 18])  # their positions stay below 39
+    at_prefill, in_decode = random_prompts(14, [40, 50])
+    tap = Tapped(tiny.model, poison=frozenset({39, 52}))
+    metrics = RunnerMetrics()
+    with attached(roomy, tiny.config) as client:
+        clean = tokens_of(run_all(make(tiny, client), reqs(others, greedy(4), "c")))
+        outs = run_all(make(tiny, client, model=tap, metrics=metrics), [
+            *reqs(others, greedy(4), "o"), GenerateReq("pre", at_prefill, greedy(8)),
+            GenerateReq("dec", in_decode, greedy(8)),
+        ])
+        again = run_all(make(tiny, client), [GenerateReq("again", at_prefill + [5], greedy(2))])
+        stats = client.stats()
+    assert outs["pre"] == [outs["pre"][0]] and outs["pre"][0].token_ids == []
+    assert len(tokens_of(outs)["dec"]) == 3  # positions 49, 50, 51 sampled; 52 is NaN
+    for last in (outs["pre"][-1], outs["dec"][-1]):
+        assert last.finish_reason == "error" and last.error_code == "INTERNAL" and "non-finite" in last.error
+    for i in range(3):
+        assert tokens_of(outs)[f"o{i}"] == clean[f"c{i}"]
+    assert metrics.registry.get_sample_value("kvserve_runner_nonfinite_logits_total") == 2.0
+    assert again["again"][0].cached_tokens == 0  # the NaN request's prompt never entered the cache
+    assert stats.slots_request == 0 and stats.rows_used == 0
+
+
+def test_tiny_temperature_is_greedy_and_unseeded_sampling_is_fresh(tiny: Any, roomy: str) -> None:
+    prompt = random_prompts(15, [12])[0]
+    tiny_t = SamplingParams(temperature=1e-40, top_p=0.9, seed=3, max_new_tokens=16, ignore_eos=True)
+    hot = SamplingParams(temperature=100.0, max_new_tokens=24, ignore_eos=True)
+    with attached(roomy, tiny.config) as client:
+        out = tokens_of(run_all(make(tiny, client), [GenerateReq("g", prompt, greedy(16)),
+                                                     GenerateReq("t", prompt, tiny_t)]))
+        # two runners with the default seed (0: fresh entropy), then two with --seed 7
+        fresh = [tokens_of(run_all(make(tiny, client), [GenerateReq("u", prompt, hot)]))["u"] for _ in range(2)]
+        fixed = [tokens_of(run_all(make(tiny, client, seed=7), [GenerateReq("u", prompt, hot)]))["u"]
+                 for _ in range(2)]
+    assert out["t"] == out["g"] and len(set(out["g"])) > 1  # not token 0 forever
+    assert fresh[0] != fresh[1]
+    assert fixed[0] == fixed[1]
