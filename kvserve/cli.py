@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("kvserve.tools.generate", "stream a completion from a running kvserve"),
     "fetch-model": ("kvserve.tools.fetch_model", "download the embedded default model into the cache"),
     "bench": ("kvserve.tools.bench", "load generator against a running kvserve"),
+    "keygen": ("kvserve.tools.keygen", "make a CURVE key pair for the memsvc and runner links"),
 }
 
 

@@ -44,7 +44,15 @@ class FrontendConfig:
     auth_token_file: str = option("", help="file holding the bearer token clients must send "
                                            "(health stays open)")
     allow_remote: bool = option(False, help="allow a tcp:// --frontend-address that is not loopback "
-                                            "(the runner link has no auth)")
+                                            "(runners still need an allowed CURVE key)")
+    tls_client_ca: str = option("", help="PEM CA certificate(s): with it, clients must present a "
+                                         "certificate this CA signed (mutual TLS; needs --tls-cert)")
+    curve_secret_key_file: str = option("", help="the frontend's CURVE secret key (NAME.key_secret from "
+                                                 "`kvserve keygen`, mode 0600); with --curve-public-keys-dir, "
+                                                 "required for a tcp:// --frontend-address")
+    curve_public_keys_dir: str = option("", help="directory of the public keys (*.key) of the runners "
+                                                 "allowed to connect over CURVE")
+
 
     def __post_init__(self) -> None:
         if self.frontend_address:
@@ -63,3 +71,5 @@ class FrontendConfig:
             raise ConfigError(f"--max-prompt-tokens: must be >= 0, got {self.max_prompt_tokens}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("--tls-cert and --tls-key must be given together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS first)")

@@ -52,7 +52,12 @@ class MemsvcConfig:
     runtime_dir: str | None = option(None, help="directory of ipc sockets "
                                                 "(default: kvserve.paths.runtime_dir())")
     allow_remote: bool = option(False, help="allow a tcp:// --address that is not loopback "
-                                            "(the runner link has no auth)")
+                                            "(runners still need an allowed CURVE key)")
+    curve_secret_key_file: str = option("", help="memsvc's CURVE secret key (NAME.key_secret from "
+                                                 "`kvserve keygen`, mode 0600); with "
+                                                 "--curve-public-keys-dir, required for a tcp:// --address")
+    curve_public_keys_dir: str = option("", help="directory of the public keys (*.key) of the runners "
+                                                 "allowed to attach over CURVE; no one else gets an answer")
     integrity_interval_s: float = option(1.0, help="seconds between invariant checks while idle")
 
     def __post_init__(self) -> None:

@@ -28,6 +28,15 @@ class RunnerConfig:
     memsvc_address: str = option("", help="memsvc ZMQ address ('' = ipc://<runtime-dir>/memsvc.sock)")
     frontend_address: str = option("", help="frontend ROUTER address "
                                             "('' = ipc://<runtime-dir>/frontend.sock)")
+    curve_secret_key_file: str = option("", help="this runner's CURVE secret key (NAME.key_secret from "
+                                                 "`kvserve keygen`, mode 0600) for tcp:// links; its "
+                                                 "NAME.key goes into the server's public keys dir")
+    memsvc_public_key_file: str = option("", help="memsvc's CURVE public key (NAME.key); with "
+                                                  "--curve-secret-key-file, required for a tcp:// "
+                                                  "--memsvc-address")
+    frontend_public_key_file: str = option("", help="the frontend's CURVE public key (NAME.key); with "
+                                                    "--curve-secret-key-file, required for a tcp:// "
+                                                    "--frontend-address")
     runner_id: str = option("runner-0", help="identity of this runner on the frontend socket "
                                              "and at memsvc")
     metrics_port: int = option(9402, help="Prometheus metrics port (0 = off)")

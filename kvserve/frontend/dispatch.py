@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
+from kvserve.config.curve import ServerKeys, apply_server
 from kvserve.frontend.router import Router
 from kvserve.messages.frontend_runner import (
     DOWN,
@@ -111,7 +112,8 @@ class Dispatcher:
                  on_runners_changed: Callable[[int], None] = lambda n: None,
                  on_bad_message: Callable[[str], None] = lambda reason: None,
                  on_dropped_output: Callable[[str], None] = lambda reason: None,
-                 on_fatal: Callable[[BaseException], None] = lambda exc: None) -> None:
+                 on_fatal: Callable[[BaseException], None] = lambda exc: None,
+                 curve: ServerKeys | None = None) -> None:
         self.address = address
         self.router = router
         self.incarnation = secrets.token_hex(4)
@@ -127,6 +129,8 @@ class Dispatcher:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable send raises, never vanishes
+        if curve is not None:  # only runners whose public key is listed get through
+            apply_server(self._sock, self._ctx, curve, name="frontend")
         self._tasks: list[asyncio.Task] = []
         self._live = 0
 

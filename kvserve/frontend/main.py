@@ -15,6 +15,7 @@ import asyncio
 import hmac
 import logging
 import signal
+import stat
 import sys
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvserve import sdnotify
 from kvserve.config import ConfigError, config_from_args, process_parser
+from kvserve.config.curve import require_curve, server_keys
 from kvserve.config.frontend import FrontendConfig
 from kvserve.frontend.dispatch import Dispatcher
 from kvserve.frontend.grpc_service import GeneratorService
@@ -71,14 +73,47 @@ class _AuthInterceptor(grpc.aio.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(deny)
 
 
+def _read_token(path_text: str) -> str:
+    """The bearer token from a file only its owner may read or write (ConfigError naming the
+    file otherwise)."""
+    path = Path(path_text)
+    try:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        token = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--auth-token-file: cannot read {path}: "
+                          f"{getattr(exc, 'strerror', None) or exc}") from None
+    if mode & 0o077:
+        raise ConfigError(f"--auth-token-file: {path} has mode {mode:04o}: group or others may "
+                          f"read it; run chmod 600 {path}")
+    if not token:
+        raise ConfigError(f"--auth-token-file: {path} is empty")
+    return token
+
+
+def _read_pem(path_text: str, field: str) -> bytes:
+    """A PEM file's bytes (ConfigError naming the flag and the file when unreadable or not PEM)."""
+    flag = "--" + field.replace("_", "-")
+    try:
+        data = Path(path_text).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{flag}: cannot read {path_text}: {exc.strerror or exc}") from None
+    if b"-----BEGIN " not in data:
+        raise ConfigError(f"{flag}: {path_text} is not a PEM file (no -----BEGIN line)")
+    return data
+
+
+def _runner_link_curve(cfg: FrontendConfig, address: str) -> bool:
+    """Whether the runners' link uses CURVE (a tcp:// address must)."""
+    return require_curve(address, "frontend_address", ("curve_secret_key_file", cfg.curve_secret_key_file),
+                         ("curve_public_keys_dir", cfg.curve_public_keys_dir))
+
+
 def _bind(cfg: FrontendConfig) -> tuple[grpc.aio.Server, int]:
     """Create the server and bind its port first, so that a taken port fails at once."""
     interceptors = []
     if cfg.auth_token_file:
-        token = Path(cfg.auth_token_file).read_text().strip()
-        if not token:
-            raise ConfigError(f"--auth-token-file: {cfg.auth_token_file} is empty")
-        interceptors.append(_AuthInterceptor(token))
+        interceptors.append(_AuthInterceptor(_read_token(cfg.auth_token_file)))
     server = grpc.aio.server(
         interceptors=interceptors,
         options=[("grpc.max_receive_message_length", cfg.max_message_bytes),
@@ -87,8 +122,12 @@ def _bind(cfg: FrontendConfig) -> tuple[grpc.aio.Server, int]:
     bind = f"{cfg.host}:{cfg.port}"
     try:
         if cfg.tls_cert:
-            creds = grpc.ssl_server_credentials(
-                [(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())])
+            pair = (_read_pem(cfg.tls_key, "tls_key"), _read_pem(cfg.tls_cert, "tls_cert"))
+            if cfg.tls_client_ca:  # mutual TLS: no certificate signed by this CA, no connection
+                creds = grpc.ssl_server_credentials([pair], root_certificates=_read_pem(
+                    cfg.tls_client_ca, "tls_client_ca"), require_client_auth=True)
+            else:
+                creds = grpc.ssl_server_credentials([pair])
             return server, server.add_secure_port(bind, creds)
         return server, server.add_insecure_port(bind)
     except RuntimeError as exc:
@@ -102,6 +141,8 @@ async def _serve(cfg: FrontendConfig) -> int:
     metrics.set_info(model=tok.name, tokenizer=cfg.tokenizer or "model")
     metrics_server = serve_metrics(metrics.registry, cfg.metrics_port)
     address = cfg.frontend_address or ipc_address(FRONTEND_SOCKET, cfg.runtime_dir or None)
+    curve = server_keys(cfg.curve_secret_key_file, cfg.curve_public_keys_dir, secret_field="curve_secret_key_file",
+                        dir_field="curve_public_keys_dir") if _runner_link_curve(cfg, address) else None
     health_servicer = health.aio.HealthServicer()
     live = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -124,7 +165,7 @@ async def _serve(cfg: FrontendConfig) -> int:
     dispatcher = Dispatcher(address, Router(timeout_s=cfg.runner_timeout_s), on_runners,
                             lambda reason: metrics.bad_messages.labels(reason=reason).inc(),
                             lambda reason: metrics.dropped_outputs.labels(reason=reason).inc(),
-                            on_fatal)
+                            on_fatal, curve=curve)
     service = GeneratorService(cfg, tok, dispatcher, metrics)
     pb_grpc.add_GeneratorServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -24,6 +24,7 @@ import time
 import torch
 import zmq
 
+from kvserve.config.curve import ClientKeys, apply_client
 from kvserve.memsvc.sharing import open_buffer
 from kvserve.messages.runner_memsvc import (
     PROTOCOL_VERSION,
@@ -71,8 +72,12 @@ class LeaseExpired(MemsvcError):
 class MemClient:
     """A runner's connection to one memsvc."""
 
-    def __init__(self, address: str, name: str = "runner", timeout_s: float = 5.0) -> None:
+    def __init__(self, address: str, name: str = "runner", timeout_s: float = 5.0,
+                 curve: ClientKeys | None = None) -> None:
+        """`curve`: this runner's key pair and memsvc's public key (kvserve.config.curve);
+        needed for a tcp:// memsvc, which answers only keys it lists."""
         self.address = address
+        self.curve = curve
         self.name = name
         self.timeout_s = timeout_s
         self.layout: Layout | None = None
@@ -93,6 +98,8 @@ class MemClient:
     def _socket(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
         sock.linger = 0
+        if self.curve is not None:
+            apply_client(sock, self.curve)
         sock.connect(self.address)
         return sock
 

@@ -23,6 +23,7 @@ import zmq
 
 from kvserve import sdnotify
 from kvserve.config import ConfigError, config_from_args, process_parser
+from kvserve.config.curve import ServerKeys, apply_server, require_curve, server_keys
 from kvserve.config.devices import resolve_device, resolve_dtype
 from kvserve.config.memsvc import MemsvcConfig
 from kvserve.memsvc.shape import resolve_shape
@@ -59,13 +60,16 @@ def _claim_ipc_path(ctx: zmq.Context, address: str) -> Path:
 class MemsvcServer:
     """One bound ROUTER socket serving one `MemsvcService` until `stop()`."""
 
-    def __init__(self, service: MemsvcService, address: str, *, integrity_interval_s: float = 1.0) -> None:
+    def __init__(self, service: MemsvcService, address: str, *, integrity_interval_s: float = 1.0,
+                 curve: ServerKeys | None = None) -> None:
         self.service = service
         self.address = address
         self.integrity_interval_s = integrity_interval_s
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.linger = 0
+        if curve is not None:  # only runners whose public key is listed get an answer
+            apply_server(self.sock, self.ctx, curve, name="memsvc")
         if address.startswith("ipc://"):
             _claim_ipc_path(self.ctx, address)
         self._ipc_path = bind_private(self.sock, address)
@@ -127,6 +131,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg = dataclasses.replace(cfg, device=device, dtype=resolve_dtype(cfg.dtype, device))
         shape = resolve_shape(cfg)
         address = cfg.address or ipc_address(MEMSVC_SOCKET, cfg.runtime_dir)
+        curve = None
+        if require_curve(address, "address", ("curve_secret_key_file", cfg.curve_secret_key_file),
+                         ("curve_public_keys_dir", cfg.curve_public_keys_dir)):
+            curve = server_keys(cfg.curve_secret_key_file, cfg.curve_public_keys_dir,
+                                secret_field="curve_secret_key_file", dir_field="curve_public_keys_dir")
     except (ConfigError, PermissionError) as exc:
         print(f"kvserve memsvc: error: {exc}", file=sys.stderr)
         return 2
@@ -140,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvserve memsvc: error: cannot allocate the pool: {exc}", file=sys.stderr)
         return 1
     try:
-        server = MemsvcServer(service, address, integrity_interval_s=cfg.integrity_interval_s)
+        server = MemsvcServer(service, address, integrity_interval_s=cfg.integrity_interval_s, curve=curve)
     except (zmq.ZMQError, OSError) as exc:
         service.close()
         print(f"kvserve memsvc: error: cannot bind {address}: {exc}", file=sys.stderr)
@@ -153,8 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     signal.signal(signal.SIGTERM, server.stop)
     signal.signal(signal.SIGINT, server.stop)
-    print(f"memsvc ready address={address} slots={shape.size} page_size={shape.page_size} "
-          f"policy={cfg.policy} device={cfg.device} metrics_port={cfg.metrics_port}", flush=True)
+    print(f"memsvc ready address={address} curve={'on' if curve else 'off'} slots={shape.size} "
+          f"page_size={shape.page_size} policy={cfg.policy} device={cfg.device} metrics_port={cfg.metrics_port}", flush=True)
     sdnotify.notify("READY=1")
     try:
         server.serve()

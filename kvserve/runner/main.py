@@ -34,6 +34,7 @@ import zmq
 
 from kvserve import sdnotify
 from kvserve.config import ConfigError, config_from_args, process_parser
+from kvserve.config.curve import ClientKeys, apply_client, client_keys, require_curve
 from kvserve.config.devices import resolve_device, resolve_dtype
 from kvserve.config.runner import RunnerConfig, resolve_backend
 from kvserve.messages.frontend_runner import (
@@ -87,6 +88,24 @@ class Worker:
         self._crash_token = int(crash) if crash.strip().isdigit() else None
         self.memsvc_address = cfg.memsvc_address or ipc_address(MEMSVC_SOCKET, cfg.runtime_dir or None)
         self.frontend_address = cfg.frontend_address or ipc_address(FRONTEND_SOCKET, cfg.runtime_dir or None)
+        self.memsvc_curve = self._curve_keys(self.memsvc_address, "memsvc_address", "memsvc_public_key_file")
+        self.frontend_curve = self._curve_keys(self.frontend_address, "frontend_address",
+                                               "frontend_public_key_file")
+        if cfg.curve_secret_key_file and not (self.memsvc_curve or self.frontend_curve):
+            raise ConfigError("--curve-secret-key-file needs --memsvc-public-key-file or "
+                              "--frontend-public-key-file (the server whose key to trust)")
+
+    def _curve_keys(self, address: str, address_field: str, server_field: str) -> ClientKeys | None:
+        """The CURVE keys of one link (None: plain; a tcp:// address must have them)."""
+        cfg = self.cfg
+        server_file = getattr(cfg, server_field)
+        # the one key pair serves both links: a link uses CURVE when its server's key is given
+        secret = cfg.curve_secret_key_file if server_file else ""
+        if not require_curve(address, address_field, ("curve_secret_key_file", secret),
+                             (server_field, server_file)):
+            return None
+        return client_keys(secret, server_file, secret_field="curve_secret_key_file", server_field=server_field)
+
 
     # ---- setup -------------------------------------------------------------------------
     def setup(self) -> bool:
@@ -130,6 +149,8 @@ class Worker:
         sock.setsockopt(zmq.IDENTITY, cfg.runner_id.encode())
         sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a connected frontend, never to a dead one
         sock.linger = 0
+        if self.frontend_curve is not None:
+            apply_client(sock, self.frontend_curve)
         sock.connect(self.frontend_address)
         self._sock = sock
         self._hello()
@@ -154,7 +175,8 @@ class Worker:
         from kvserve.memsvc.client import MemClient, MemsvcUnavailable
 
         mc = self.loaded.config
-        client = MemClient(self.memsvc_address, name=self.cfg.runner_id, timeout_s=ATTACH_TIMEOUT_S)
+        client = MemClient(self.memsvc_address, name=self.cfg.runner_id, timeout_s=ATTACH_TIMEOUT_S,
+                           curve=self.memsvc_curve)
         try:
             client.attach(n_layers=mc.num_layers, n_kv_heads=mc.num_kv_heads,
                           head_dim=mc.head_dim, dtype=self.dtype)

@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds (default: %(default)s)")
     p.add_argument("--token-file", default=None, help="file with a bearer token to send")
     p.add_argument("--tls-ca", default=None, help="PEM CA certificate: connect with TLS")
+    p.add_argument("--tls-cert", default=None, help="PEM client certificate for mutual TLS (with --tls-key)")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     p.add_argument("--verbose", "-v", action="store_true", help="print finish reason and usage to stderr")
     return p
 
@@ -72,11 +74,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.system and not args.chat:
         print("kvserve generate: --system needs --chat", file=sys.stderr)
         return 2
+    if bool(args.tls_cert) != bool(args.tls_key) or (args.tls_cert and not args.tls_ca):
+        print("kvserve generate: --tls-cert and --tls-key go together, with --tls-ca", file=sys.stderr)
+        return 2
     metadata = []
     if args.token_file:
         metadata.append(("authorization", f"Bearer {Path(args.token_file).read_text().strip()}"))
     if args.tls_ca:
-        creds = grpc.ssl_channel_credentials(Path(args.tls_ca).read_bytes())
+        key, cert = (Path(p).read_bytes() if p else None for p in (args.tls_key, args.tls_cert))
+        creds = grpc.ssl_channel_credentials(Path(args.tls_ca).read_bytes(), key, cert)
         channel = grpc.secure_channel(args.address, creds)
     else:
         channel = grpc.insecure_channel(args.address)

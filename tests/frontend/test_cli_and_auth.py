@@ -61,6 +61,7 @@ def test_bad_flag_values_exit_2(argv: list[str]) -> None:
 def test_bearer_token_auth(tmp_path) -> None:
     token = tmp_path / "token"
     token.write_text("s3cret\n")
+    token.chmod(0o600)  # the frontend refuses a token file others may read
     fe = start_frontend(tmp_path / "rt", "--auth-token-file", str(token))
     try:
         assert fe.health_status() == health_pb2.HealthCheckResponse.NOT_SERVING
