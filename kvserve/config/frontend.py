@@ -34,6 +34,15 @@ class FrontendConfig:
                                         "RESOURCE_EXHAUSTED")
     max_stop_strings: int = option(16, help="most stop strings per request")
     max_stop_len: int = option(256, help="longest stop string (characters)")
+    max_stop_token_ids: int = option(256, help="most stop_token_ids per request")
+    max_prompt_chars: int = option(1024 * 1024, help="longest text prompt, chat (roles and contents "
+                                                     "together) or Tokenize input, in characters, "
+                                                     "checked before tokenizing")
+    max_chat_messages: int = option(1024, help="most messages in one chat")
+    max_send_message_bytes: int = option(16 * 1024 * 1024, help="largest gRPC response message sent "
+                                                                "(a long Tokenize answer is the largest)")
+    max_concurrent_rpcs: int = option(1024, help="calls of any kind in progress at once before gRPC "
+                                                 "answers RESOURCE_EXHAUSTED")
     drain_timeout_s: float = option(10.0, help="seconds to let open streams finish on SIGTERM")
     runner_timeout_s: float = option(1.5, help="seconds of runner silence before it counts as dead")
     request_inactivity_timeout_s: float = option(
@@ -62,6 +71,8 @@ class FrontendConfig:
         check_positive(
             self, "max_message_bytes", "max_new_tokens_cap", "default_max_new_tokens",
             "max_concurrent_streams", "max_waiting", "max_stop_strings", "max_stop_len",
+            "max_stop_token_ids", "max_prompt_chars", "max_chat_messages", "max_send_message_bytes",
+            "max_concurrent_rpcs",
             "drain_timeout_s", "runner_timeout_s",
         )
         if self.request_inactivity_timeout_s < 0:

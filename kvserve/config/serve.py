@@ -59,6 +59,8 @@ EXPOSED: dict[str, tuple[str, ...]] = {
     "max_prompt_tokens": ("frontend",),
     "max_new_tokens_cap": ("frontend",),
     "max_concurrent_streams": ("frontend",),
+    "max_concurrent_rpcs": ("frontend",),
+    "max_prompt_chars": ("frontend",),
     "tls_cert": ("frontend",),
     "tls_key": ("frontend",),
     "auth_token_file": ("frontend",),

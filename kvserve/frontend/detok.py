@@ -25,6 +25,7 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 MAX_HELD = 64  # ids held behind a U+FFFD before a look for text to release (_release_long_hold)
+TAIL_IDS = 4  # ids that hold every byte of an unfinished character (at most 3 bytes, 1+ per id)
 REPLACEMENT = "\ufffd"
 
 
@@ -39,7 +40,9 @@ class IncrementalDetokenizer:
     """Decode a growing list of token ids into text deltas that are always whole characters.
 
     The concatenated deltas equal ``decode(context_ids + ids)[len(decode(context_ids)):]``
-    once the stream is flushed, and after every push whose text ends on a whole character.
+    once the stream is flushed, and after every push whose text does not end in U+FFFD. When
+    it does (an unfinished character, or a real U+FFFD: the decoded text cannot tell), they
+    equal all of it but that last U+FFFD on a decoder without byte fallback.
 
     State: `_window`, the ids decoded together, of which the first `_ctx` are context whose
     text is already emitted. On the fast path DecodeStream holds the same window. It cannot
@@ -89,13 +92,11 @@ class IncrementalDetokenizer:
             del window[: self._ctx]
             self._ctx = len(window)
             return chunk
-        held = len(window) - self._ctx
-        if held < 2:
-            return ""
         # Held text of one character is one unfinished character: DecodeStream waits for it.
-        # With more, all but the last are finished, so the U+FFFD among them (a real one, or
-        # bytes that can no longer complete) should go out now: `_advance` releases it.
-        if held >= self._hold_limit or (self._stable and len(self._decode(window[self._ctx :])) > 1):
+        # With more (even from one id), all but the last are finished, a U+FFFD among them
+        # (a real one, or bytes that can no longer complete) too: `_advance` releases them.
+        if len(window) - self._ctx >= self._hold_limit or (
+                self._stable and len(self._decode(window[self._ctx :])) > 1):
             return self._leave_fast_path()
         return ""
 
@@ -136,18 +137,16 @@ class IncrementalDetokenizer:
         if not text.endswith(REPLACEMENT):
             self._start_stream()
             return text[self._emitted :]
-        if self._stable and len(self._window) > 1:
-            # The text before the newest id ends in U+FFFD too; if the newest id added text
-            # after it, that U+FFFD is finished (a real one, or bytes that can no longer
-            # complete): emit it now instead of at the end of the stream. Then keep only the
-            # last two ids: decoding restarts in step with the full window by then.
-            head = self._decode(self._window[:-1])
-            if len(text) > len(head) > self._emitted and text.startswith(head):
-                delta = head[self._emitted :]
-                del self._window[:-2]
-                self._emitted = len(self._decode(self._window)) - (len(text) - len(head))
-                self._ctx, self._hold_limit = 0, MAX_HELD
-                return delta
+        if self._stable and len(text) - 1 > self._emitted:
+            # Only the last character can still change (a U+FFFD followed by more text never
+            # does): every character before it is finished, a real U+FFFD among them or not,
+            # so emit them now. Keep only the last TAIL_IDS ids, which hold every byte of that
+            # last character: decoding restarts in step with the full window from there.
+            delta = text[self._emitted : len(text) - 1]
+            del self._window[:-TAIL_IDS]
+            self._emitted = len(self._decode(self._window)) - 1
+            self._ctx, self._hold_limit = 0, MAX_HELD
+            return delta
         if len(self._window) - self._ctx >= self._hold_limit:
             return self._release_long_hold(text)
         return ""

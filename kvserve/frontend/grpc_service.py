@@ -106,7 +106,9 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             await self._fail(context, grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
         context_len = self.dispatcher.router.context_len(self.tok.max_context_len)
         try:
-            prep = prepare(request, self.tok, self.cfg, context_len)
+            # tokenizing and the chat template take milliseconds to seconds: off the event loop,
+            # which meanwhile streams every other call's tokens
+            prep = await asyncio.to_thread(prepare, request, self.tok, self.cfg, context_len)
         except InvalidArgument as exc:
             await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         request_id = request.request_id or uuid.uuid4().hex
@@ -222,10 +224,16 @@ class GeneratorService(pb_grpc.GeneratorServicer):
     async def Tokenize(self, request: pb.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         try:
-            ids = prompt_ids(request, self.tok, oneof="input")
+            ids = await asyncio.to_thread(prompt_ids, request, self.tok, self.cfg, "input")
         except InvalidArgument as exc:
             await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return pb.TokenizeResponse(token_ids=ids)
+        response = pb.TokenizeResponse(token_ids=ids)
+        size = response.ByteSize()
+        if size > self.cfg.max_send_message_bytes:
+            await self._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"input: its {len(ids)} token ids take {size} bytes, more than the largest "
+                             f"response of {self.cfg.max_send_message_bytes} (max_send_message_bytes)")
+        return response
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         if not request.request_id:

@@ -116,8 +116,19 @@ def _bind(cfg: FrontendConfig) -> tuple[grpc.aio.Server, int]:
         interceptors.append(_AuthInterceptor(_read_token(cfg.auth_token_file)))
     server = grpc.aio.server(
         interceptors=interceptors,
+        maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,  # past it: RESOURCE_EXHAUSTED
         options=[("grpc.max_receive_message_length", cfg.max_message_bytes),
-                 ("grpc.so_reuseport", 0)],
+                 ("grpc.max_send_message_length", cfg.max_send_message_bytes),
+                 ("grpc.so_reuseport", 0),
+                 # Keepalive enforcement: a client may ping every 10 s, also with no call open
+                 # (what well-behaved clients configure); a client pinging faster is sent a
+                 # GOAWAY after 2 strikes instead of costing us a wakeup per ping.
+                 ("grpc.keepalive_permit_without_calls", 1),
+                 ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+                 ("grpc.http2.max_ping_strikes", 2),
+                 # and our own pings find dead clients that still hold streams
+                 ("grpc.keepalive_time_ms", 60_000),
+                 ("grpc.keepalive_timeout_ms", 20_000)],
     )
     bind = f"{cfg.host}:{cfg.port}"
     try:

@@ -42,15 +42,23 @@ def _check_ids(ids: list[int], vocab_size: int, field: str) -> None:
             raise InvalidArgument(f"{field}[{i}]", f"token id {tid} is out of vocabulary (size {vocab_size})")
 
 
-def prompt_ids(prompt: pb.GenerateRequest | pb.TokenizeRequest, tok: FrontendTokenizer,
+def _check_chars(n: int, cfg: FrontendConfig, field: str) -> None:
+    if n > cfg.max_prompt_chars:
+        raise InvalidArgument(field, f"{n} characters is longer than the limit of {cfg.max_prompt_chars} "
+                                     "(max_prompt_chars)")
+
+
+def prompt_ids(prompt: pb.GenerateRequest | pb.TokenizeRequest, tok: FrontendTokenizer, cfg: FrontendConfig,
                oneof: str = "prompt") -> list[int]:
-    """Tokenize the request's text / token_ids / chat; raise InvalidArgument when it is empty or bad."""
+    """Tokenize the request's text / token_ids / chat; raise InvalidArgument when it is empty, bad
+    or past a size limit (checked before tokenizing, so a huge input costs no tokenizer time)."""
     kind = prompt.WhichOneof(oneof)
     if kind is None:
         raise InvalidArgument(oneof, "empty: set text, token_ids or chat")
     if kind == "text":
         if not prompt.text:
             raise InvalidArgument(f"{oneof}.text", "empty prompt")
+        _check_chars(len(prompt.text), cfg, f"{oneof}.text")
         ids = tok.encode(prompt.text)
     elif kind == "token_ids":
         ids = list(prompt.token_ids.ids)
@@ -61,6 +69,10 @@ def prompt_ids(prompt: pb.GenerateRequest | pb.TokenizeRequest, tok: FrontendTok
         msgs = prompt.chat.messages
         if not msgs:
             raise InvalidArgument(f"{oneof}.chat.messages", "empty chat")
+        if len(msgs) > cfg.max_chat_messages:
+            raise InvalidArgument(f"{oneof}.chat.messages", f"{len(msgs)} messages is more than the limit of "
+                                                            f"{cfg.max_chat_messages} (max_chat_messages)")
+        _check_chars(sum(len(m.role) + len(m.content) for m in msgs), cfg, f"{oneof}.chat")
         for i, m in enumerate(msgs):
             if m.role not in CHAT_ROLES:
                 raise InvalidArgument(
@@ -91,8 +103,6 @@ def sampling_params(s: pb.SamplingParams, tok: FrontendTokenizer, cfg: FrontendC
     def opt(name: str, default: float) -> float:
         return getattr(s, name) if s.HasField(name) else default
 
-    # Any finite temperature >= 0 is taken; below GREEDY_TEMPERATURE (e.g. 1e-40) the
-    # runner samples greedily, which is what such a temperature tends to.
     temperature = _finite(opt("temperature", 0.0), "sampling.temperature")
     if temperature < 0:
         raise InvalidArgument("sampling.temperature", f"must be >= 0, got {temperature}")
@@ -116,12 +126,17 @@ def sampling_params(s: pb.SamplingParams, tok: FrontendTokenizer, cfg: FrontendC
             "sampling.max_new_tokens", f"must be in 1..{cfg.max_new_tokens_cap}, got {max_new}"
         )
     if len(s.stop) > cfg.max_stop_strings:
-        raise InvalidArgument("sampling.stop", f"too many stop strings: {len(s.stop)} > {cfg.max_stop_strings}")
+        raise InvalidArgument("sampling.stop", f"too many stop strings: {len(s.stop)} > {cfg.max_stop_strings} "
+                                               "(max_stop_strings)")
     for i, stop in enumerate(s.stop):
         if not stop:
             raise InvalidArgument(f"sampling.stop[{i}]", "empty stop string")
         if len(stop) > cfg.max_stop_len:
-            raise InvalidArgument(f"sampling.stop[{i}]", f"longer than {cfg.max_stop_len} characters")
+            raise InvalidArgument(f"sampling.stop[{i}]", f"longer than {cfg.max_stop_len} characters "
+                                                         "(max_stop_len)")
+    if len(s.stop_token_ids) > cfg.max_stop_token_ids:
+        raise InvalidArgument("sampling.stop_token_ids", f"too many stop token ids: {len(s.stop_token_ids)} > "
+                                                          f"{cfg.max_stop_token_ids} (max_stop_token_ids)")
     _check_ids(list(s.stop_token_ids), tok.vocab_size, "sampling.stop_token_ids")
     if not 0 <= s.logprobs <= MAX_LOGPROBS:
         raise InvalidArgument("sampling.logprobs", f"must be in 0..{MAX_LOGPROBS}, got {s.logprobs}")
@@ -139,7 +154,7 @@ def prepare(req: pb.GenerateRequest, tok: FrontendTokenizer, cfg: FrontendConfig
     if len(req.request_id) > MAX_REQUEST_ID_LEN:
         raise InvalidArgument("request_id", f"longer than {MAX_REQUEST_ID_LEN} characters")
     params = sampling_params(req.sampling, tok, cfg)
-    ids = prompt_ids(req, tok)
+    ids = prompt_ids(req, tok, cfg)
     limit = context_len - 1
     if cfg.max_prompt_tokens:
         limit = min(limit, cfg.max_prompt_tokens)

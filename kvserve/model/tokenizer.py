@@ -82,7 +82,9 @@ class ModelTokenizer:
         return self.chat.source if self.chat is not None else None
 
     def encode(self, text: str) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=False).ids
+        # encode_batch lets go of the GIL while it works (encode holds it throughout), so a
+        # long text tokenized in a worker thread does not stall the frontend's event loop
+        return self.backend.encode_batch([text], add_special_tokens=False)[0].ids
 
     def render_chat(self, messages: Sequence[tuple[str, str]], add_generation_prompt: bool) -> list[int]:
         """Token ids of the chat rendered by the model's template; ChatTemplateError if it refuses."""

@@ -20,7 +20,10 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvserve.config.frontend import FrontendConfig
+from kvserve.frontend.validation import InvalidArgument, Prepared, prepare
 from kvserve.messages.runner_memsvc import REPLIES, REQUESTS, ErrorReply, Stats
+from kvserve.model.tokenizer import load_frontend_tokenizer
 from kvserve.tools.loadgen import OK_REASONS, run_load
 from kvserve.v1 import generator_pb2 as pb
 from kvserve.wire import WireError
@@ -95,6 +98,17 @@ def test_limits_are_enforced_with_clear_errors(svc: Service) -> None:
     for s in streams:
         s.call.cancel()
         assert s.join(10) and s.code == grpc.StatusCode.CANCELLED
+    _no_leak(svc)
+
+
+def test_usage_cached_tokens_is_the_runners_prefix_cache_hit(svc: Service) -> None:
+    prompt = "~ a prompt no other test starts with: 0123456789"
+    n = len(svc.stub.Tokenize(pb.TokenizeRequest(text=prompt), timeout=5).token_ids)
+    first = list(svc.stub.Generate(greedy(prompt, 2), timeout=60))[-1].usage
+    again = list(svc.stub.Generate(greedy(prompt, 2), timeout=60))[-1].usage
+    assert (first.prompt_tokens, first.cached_tokens) == (n, 0)
+    # memsvc's page size is 1 and the last prompt token is always computed: all the others hit
+    assert (again.prompt_tokens, again.cached_tokens, again.completion_tokens) == (n, n - 1, 2)
     _no_leak(svc)
 
 
@@ -173,17 +187,44 @@ def hostile_requests(draw) -> pb.GenerateRequest:
     return req
 
 
+@pytest.fixture(scope="module")
+def expect(svc: Service, tiny_model: Path):
+    """The answer the frontend owes a request, worked out here: RESOURCE_EXHAUSTED past the
+    message limit, else the InvalidArgument that `prepare` (same tokenizer, same limits, the
+    served context length) raises, else the prepared request."""
+    tok = load_frontend_tokenizer("", str(tiny_model))
+    cfg = FrontendConfig(max_new_tokens_cap=CAP, max_prompt_tokens=MAX_PROMPT, max_message_bytes=MAX_MESSAGE,
+                         max_concurrent_streams=MAX_STREAMS)
+    context_len = svc.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5).max_context_len
+
+    def answer(req: pb.GenerateRequest) -> tuple[grpc.StatusCode, str, Prepared | None]:
+        if req.ByteSize() > MAX_MESSAGE:
+            return grpc.StatusCode.RESOURCE_EXHAUSTED, "", None
+        try:
+            return grpc.StatusCode.OK, "", prepare(req, tok, cfg, context_len)
+        except InvalidArgument as exc:
+            return grpc.StatusCode.INVALID_ARGUMENT, str(exc), None
+
+    return answer
+
+
 @settings(max_examples=60, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example])
 @given(req=hostile_requests())
-def test_fuzzed_grpc_fields_get_a_clean_status(svc: Service, req: pb.GenerateRequest) -> None:
+def test_fuzzed_grpc_fields_get_a_clean_status(svc: Service, expect, req: pb.GenerateRequest) -> None:
+    want, want_details, prep = expect(req)
     code, details, msgs = _code(svc, req, timeout=30)
-    assert code in (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED), \
-        (code, details)
+    assert code == want, (code, details, want_details)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        assert str(MAX_MESSAGE) in details, details
     if code == grpc.StatusCode.INVALID_ARGUMENT:
+        assert details == want_details
         assert FIELD.match(details), f"the error does not name a field: {details!r}"
     if code == grpc.StatusCode.OK:
-        assert msgs[-1].finish_reason in OK_REASONS and msgs[-1].usage.completion_tokens <= 3
+        usage = msgs[-1].usage
+        assert msgs[-1].finish_reason in OK_REASONS, msgs[-1]
+        assert usage.prompt_tokens == len(prep.prompt_ids) and usage.cached_tokens < usage.prompt_tokens
+        assert 1 <= usage.completion_tokens <= prep.params.max_new_tokens
 
 
 def test_after_grpc_fuzz_nothing_is_held(svc: Service) -> None:

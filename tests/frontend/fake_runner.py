@@ -13,6 +13,7 @@ from __future__ import annotations
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
@@ -61,6 +62,8 @@ class FakeRunner:
     received: list = field(default_factory=list)
     with_logprobs: bool = False  # report `fake_logprob` for requests that ask for logprobs
     fail_with: tuple[str, str] | None = None  # (error, error_code): fail each request at its first step
+    # cached_tokens it reports for a request (a real runner: the prompt's prefix-cache hit)
+    cached_of: Callable[[GenerateReq], int] = lambda req: 2
 
     def __post_init__(self) -> None:
         self._sleeper = subprocess.Popen(["sleep", "600"])
@@ -170,7 +173,8 @@ class FakeRunner:
                     reason = FinishReason.STOP
                 elif r.produced >= p.max_new_tokens:
                     reason = FinishReason.LENGTH
-                outs.append(TokenOut(request_id=request_id, token_ids=[tok], finish_reason=reason, cached_tokens=2,
+                outs.append(TokenOut(request_id=request_id, token_ids=[tok], finish_reason=reason,
+                                     cached_tokens=self.cached_of(r.req),
                                      queue_time=0.001 if r.produced == 1 else 0.0,
                                      logprobs=[fake_logprob(tok, p.logprobs)]
                                      if self.with_logprobs and p.logprobs > 0 else []))

@@ -38,19 +38,23 @@ def test_no_runner_means_not_serving_and_unavailable(frontend: Frontend, runners
 
 
 def test_stream_text_usage_and_health(frontend: Frontend, runners) -> None:
-    runners.append(frontend.runner("r-a"))
+    # the runner's cached_tokens differs per request: usage must carry the runner's own number
+    runners.append(frontend.runner("r-a", cached_of=lambda req: len(req.token_ids) - 1))
     assert frontend.wait_health(SERVING)
-    msgs, text = _collect(frontend.stub.Generate(pb.GenerateRequest(text="abc"), timeout=10))
+    msgs, text = _collect(frontend.stub.Generate(pb.GenerateRequest(text="abcdefg"), timeout=10))
     assert text == REPLY
     assert len(msgs) > 10 and all("\ufffd" not in m.text for m in msgs)
     last = msgs[-1]
     assert last.finish_reason == "stop"
     n_tokens = len(REPLY.encode()) + 1  # + EOS
     assert sum(len(m.token_ids) for m in msgs) == n_tokens
-    assert (last.usage.prompt_tokens, last.usage.cached_tokens, last.usage.completion_tokens) == (3, 2, n_tokens)
+    assert (last.usage.prompt_tokens, last.usage.cached_tokens, last.usage.completion_tokens) == (7, 6, n_tokens)
     assert all(not m.finish_reason for m in msgs[:-1])
     req = runners[0].generate_reqs()[0]
-    assert req.token_ids == [97, 98, 99] and req.params.temperature == 0.0
+    assert req.token_ids == list(b"abcdefg") and req.params.temperature == 0.0
+    short = pb.GenerateRequest(text="x" * 12, sampling=pb.SamplingParams(max_new_tokens=2))
+    usage = _collect(frontend.stub.Generate(short, timeout=10))[0][-1].usage
+    assert (usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens) == (12, 11, 2)
 
 
 def test_max_new_tokens_gives_length(frontend: Frontend, runners) -> None:
@@ -168,6 +172,12 @@ BAD = [
      "prompt.chat.messages[0].role"),
     (pb.GenerateRequest(text="x", sampling=pb.SamplingParams(stop=["s"] * 17)), "sampling.stop"),
     (pb.GenerateRequest(text="x", sampling=pb.SamplingParams(stop=["s" * 300])), "sampling.stop[0]"),
+    (pb.GenerateRequest(text="x", sampling=pb.SamplingParams(stop_token_ids=[1] * 257)), "sampling.stop_token_ids"),
+    (pb.GenerateRequest(text="x" * (1024 * 1024 + 1)), "prompt.text"),
+    (pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content="x")] * 1025)),
+     "prompt.chat.messages"),
+    (pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content="x" * 600_000)] * 2)),
+     "prompt.chat"),
 ]
 
 
@@ -184,6 +194,11 @@ def test_model_info_and_tokenize(frontend: Frontend) -> None:
     assert (info.name, info.vocab_size, info.max_new_tokens_cap) == ("bytes", 257, 500)
     ids = frontend.stub.Tokenize(pb.TokenizeRequest(text="hé"), timeout=5).token_ids
     assert list(ids) == list("hé".encode())
+    with pytest.raises(grpc.RpcError) as info:
+        frontend.stub.Tokenize(pb.TokenizeRequest(text="x" * (1024 * 1024 + 1)), timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details() == ("input.text: 1048577 characters is longer than the limit of 1048576 "
+                                    "(max_prompt_chars)")
 
 
 def test_sigterm_drains_open_stream_and_exits_0(tmp_path) -> None:
