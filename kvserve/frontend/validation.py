@@ -103,6 +103,8 @@ def sampling_params(s: pb.SamplingParams, tok: FrontendTokenizer, cfg: FrontendC
     def opt(name: str, default: float) -> float:
         return getattr(s, name) if s.HasField(name) else default
 
+    # Any finite temperature >= 0 is taken; below GREEDY_TEMPERATURE (e.g. 1e-40) the
+    # runner samples greedily, which is what such a temperature tends to.
     temperature = _finite(opt("temperature", 0.0), "sampling.temperature")
     if temperature < 0:
         raise InvalidArgument("sampling.temperature", f"must be >= 0, got {temperature}")
