@@ -15,7 +15,7 @@ def pid_alive(pid: int) -> bool:
         return True  # unknown (e.g. a remote peer): rely on timeouts
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # no such process; a pid past the C int range
         return False
     except PermissionError:
         return True

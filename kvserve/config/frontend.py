@@ -62,7 +62,6 @@ class FrontendConfig:
     curve_public_keys_dir: str = option("", help="directory of the public keys (*.key) of the runners "
                                                  "allowed to connect over CURVE")
 
-
     def __post_init__(self) -> None:
         if self.frontend_address:
             check_address(self.frontend_address, name="frontend_address", allow_remote=self.allow_remote)

@@ -49,7 +49,7 @@ from kvserve.messages.frontend_runner import (
     hello_protocol,
 )
 from kvserve.paths import bind_private
-from kvserve.wire import WireError
+from kvserve.wire import MAX_FRAME_BYTES, WireError
 
 log = logging.getLogger("kvserve.frontend")
 
@@ -57,6 +57,8 @@ REAP_INTERVAL_S = 0.1
 QUEUE_LIMIT = 4096
 """Outputs one request may have waiting for its client; past that the client is not
 reading and the request fails with RESOURCE_EXHAUSTED (nothing grows without bound)."""
+MAX_RUNNERS = 256
+"""Runners one frontend registers; a Hello beyond that is refused (counted "invalid")."""
 MAX_RUNNER_DEATHS = 2
 """A request in flight on this many runners that died is failed with INTERNAL."""
 
@@ -121,12 +123,13 @@ class Dispatcher:
         self._by_wire: dict[str, Pending] = {}
         self._seq = 0
         self._on_change = on_runners_changed
-        self._on_bad = on_bad_message  # "malformed" | "protocol"
+        self._on_bad = on_bad_message  # "malformed" | "protocol" | "invalid" | "internal"
         self._on_dropped = on_dropped_output  # "late" | "not_owner"
         self._on_fatal = on_fatal
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)  # larger: refused before it is read
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable send raises, never vanishes
         if curve is not None:  # only runners whose public key is listed get through
@@ -228,22 +231,31 @@ class Dispatcher:
     # ---- messages up -------------------------------------------------------------------
     async def _recv_loop(self) -> None:
         while True:
-            frames = await self._sock.recv_multipart()
-            if len(frames) != 2:
+            self.take_frames(await self._sock.recv_multipart())
+
+    def take_frames(self, frames: list[bytes]) -> None:
+        """Decode and handle one message from a runner (ROUTER frames: identity, body); any
+        frame, whatever it holds, is handled or counted and dropped, never raised."""
+        if len(frames) != 2:
+            self._on_bad("malformed")
+            log.warning("malformed message: %d frames, expected 2", len(frames))
+            return
+        identity = frames[0].decode(errors="replace")
+        try:
+            msg = UP.decode(frames[1])
+        except WireError as exc:
+            version = hello_protocol(frames[1])
+            if version is not None and version != PROTOCOL_VERSION:
+                self._refuse(identity, version)
+            else:
                 self._on_bad("malformed")
-                log.warning("malformed message: %d frames, expected 2", len(frames))
-                continue
-            try:
-                msg = UP.decode(frames[1])
-            except WireError as exc:
-                version = hello_protocol(frames[1])
-                if version is not None and version != PROTOCOL_VERSION:
-                    self._refuse(frames[0].decode(errors="replace"), version)
-                else:
-                    self._on_bad("malformed")
-                    log.warning("malformed message from runner %r: %s", frames[0][:64], exc)
-                continue
-            self._handle(frames[0].decode(errors="replace"), msg)
+                log.warning("malformed message from runner %r: %s", identity[:64], exc)
+            return
+        try:
+            self._handle(identity, msg)
+        except Exception:  # noqa: BLE001 - no frame may end the frontend
+            self._on_bad("internal")
+            log.exception("handling a %s from runner %r raised", type(msg).__name__, identity[:64])
 
     def _refuse(self, runner_id: str, version: int) -> None:
         self._on_bad("protocol")
@@ -252,9 +264,18 @@ class Dispatcher:
 
     def _handle(self, identity: str, msg: Hello | RunnerStatus | TokenBatch) -> None:
         now = time.monotonic()
+        if msg.runner_id != identity:  # replies go by socket identity: a runner speaks for itself only
+            self._on_bad("invalid")
+            log.warning("a %s naming runner %r came from socket identity %r: dropped",
+                        type(msg).__name__, msg.runner_id[:64], identity[:64])
+            return
         if isinstance(msg, Hello):
             if msg.protocol != PROTOCOL_VERSION:
                 self._refuse(msg.runner_id, msg.protocol)
+                return
+            if msg.runner_id not in self.router.runners and len(self.router.runners) >= MAX_RUNNERS:
+                self._on_bad("invalid")
+                log.error("runner %r refused: %d runners registered already", msg.runner_id[:64], MAX_RUNNERS)
                 return
             if msg.runner_id not in self.router.runners:
                 log.info("runner %s (pid %d) connected", msg.runner_id, msg.pid)
@@ -301,10 +322,14 @@ class Dispatcher:
     async def _reap_loop(self) -> None:
         while True:
             await asyncio.sleep(REAP_INTERVAL_S)
-            for runner_id, lost in self.router.reap(time.monotonic()).items():
-                log.warning("runner %s is gone; %d request(s) in flight", runner_id, len(lost))
-                self._fail(runner_id, lost)
-            self._notify()
+            self.reap(time.monotonic())
+
+    def reap(self, now: float) -> None:
+        """Drop the runners that went silent or died by `now`; retry or fail their requests."""
+        for runner_id, lost in self.router.reap(now).items():
+            log.warning("runner %s is gone; %d request(s) in flight", runner_id, len(lost))
+            self._fail(runner_id, lost)
+        self._notify()
 
     def _fail(self, runner_id: str, wire_ids: set[str]) -> None:
         """`runner_id` died with these attempts in flight: retry or fail each request."""

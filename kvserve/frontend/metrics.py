@@ -18,7 +18,7 @@ ITL_BUCKETS: tuple[float, ...] = (
     0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
     0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
 )
-BAD_MESSAGE_REASONS = ("malformed", "protocol")
+BAD_MESSAGE_REASONS = ("malformed", "protocol", "invalid", "internal")
 DROPPED_OUTPUT_REASONS = ("late", "not_owner")
 FINISH_REASONS = ("stop", "length", "abort", "error")
 ERROR_CODES = (
@@ -98,7 +98,8 @@ class FrontendMetrics:
         )
         self.bad_messages = Counter(
             "kvserve_frontend_bad_messages",
-            "Frames from runners dropped: malformed, or a runner of another protocol version.",
+            "Frames from runners dropped: malformed, protocol (another version), invalid (a "
+            "runner speaking for another, too many runners), internal (handling it raised).",
             ["reason"], registry=r,
         )
         for reason in BAD_MESSAGE_REASONS:

@@ -46,7 +46,7 @@ from kvserve.messages.runner_memsvc import (
     StepReply,
 )
 from kvserve.procs import pid_alive
-from kvserve.wire import WireError
+from kvserve.wire import MAX_FRAME_BYTES, WireError
 
 HEARTBEAT_INTERVAL_S = 0.3
 REPLY_POLL_S = 0.05
@@ -100,6 +100,7 @@ class MemClient:
         sock.linger = 0
         if self.curve is not None:
             apply_client(sock, self.curve)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         sock.connect(self.address)
         return sock
 

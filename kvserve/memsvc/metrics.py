@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
+BAD_MESSAGE_REASONS = ("malformed", "invalid", "internal")
+
 STEP_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 1.0)
 
 
@@ -37,7 +39,12 @@ class MemsvcMetrics:
                                   "Pool invariant violations found (and repaired) by check_integrity",
                                   registry=r)
         self.bad_messages = Counter("kvserve_memsvc_bad_messages",
-                                    "Malformed or invalid messages and step items", registry=r)
+                                    "Messages and step items refused: malformed (undecodable), invalid "
+                                    "(a value out of range, an unknown lease, another protocol), internal "
+                                    "(a handler raised; answered, and the pool checked)",
+                                    ["reason"], registry=r)
+        for reason in BAD_MESSAGE_REASONS:
+            self.bad_messages.labels(reason=reason)
         self.info = Info("kvserve_memsvc", "memsvc build and pool settings", registry=r)
         self._queried = 0
         self._hit = 0

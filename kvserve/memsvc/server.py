@@ -30,6 +30,7 @@ from kvserve.memsvc.shape import resolve_shape
 from kvserve.messages.runner_memsvc import REQUESTS, Stats
 from kvserve.metrics import serve_metrics
 from kvserve.paths import MEMSVC_SOCKET, bind_private, ipc_address
+from kvserve.wire import MAX_FRAME_BYTES
 
 if TYPE_CHECKING:
     from kvserve.memsvc.service import MemsvcService
@@ -70,6 +71,7 @@ class MemsvcServer:
         self.sock.linger = 0
         if curve is not None:  # only runners whose public key is listed get an answer
             apply_server(self.sock, self.ctx, curve, name="memsvc")
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)  # larger: refused before it is read
         if address.startswith("ipc://"):
             _claim_ipc_path(self.ctx, address)
         self._ipc_path = bind_private(self.sock, address)

@@ -2,7 +2,9 @@
 
 `MemsvcService` owns the storage, the `Pool` and the leases; `handle(frame)` decodes a
 request, applies it and returns the encoded reply (an `ErrorReply` naming the problem
-for anything malformed or invalid, with no state change). It never raises on bad input.
+for anything malformed or invalid, with no state change). It never raises: a handler that
+raises anyway (a bug, or an input no check foresaw) is answered with an `ErrorReply`,
+counted as reason "internal", and the pool's invariants are checked and repaired at once.
 
 This module knows nothing about ZMQ sockets, signals or the command line.
 """
@@ -49,6 +51,9 @@ from kvserve.wire import WireError
 
 log = logging.getLogger("kvserve.memsvc")
 
+MAX_PID = 1 << 22  # Linux's largest pid_max
+MAX_NAME = 256
+
 
 @dataclass(slots=True)
 class Lease:
@@ -88,6 +93,7 @@ class MemsvcService:
         self.reclaim_quarantine_s = reclaim_quarantine_s
         self.local_pids = local_pids
         self.leases: dict[int, Lease] = {}
+        self.max_leases = 4 * shape.max_reqs  # a client that attaches in a loop cannot grow this map
         self.reclaimed = 0
         self.violations = 0
         self.bad_messages = 0
@@ -101,29 +107,36 @@ class MemsvcService:
 
     # ---- entry points ---------------------------------------------------------
     def handle(self, frame: bytes) -> bytes:
-        """Decode, apply and answer one request frame."""
+        """Decode, apply and answer one request frame (never raises)."""
         try:
             msg = REQUESTS.decode(frame)
         except WireError as exc:
             return self.bad(f"bad message: {exc}")
         start = time.perf_counter()
-        reply = self._handlers[type(msg)](msg)
-        if isinstance(reply, ErrorReply):
-            self._count_bad(reply.error)
+        try:
+            reply = self._handlers[type(msg)](msg)
+        except Exception as exc:  # noqa: BLE001 - the process must outlive any frame
+            log.exception("memsvc: %s handler raised", type(msg).__name__)
+            reply = ErrorReply(f"{type(msg).__name__}: internal error: {type(exc).__name__}: {exc}")
+            self._count_bad(reply.error, reason="internal")
+            self.check()  # a handler stopped half-way: repair what it left
+        else:
+            if isinstance(reply, ErrorReply):
+                self._count_bad(reply.error, reason="invalid")
         if isinstance(msg, Step):
             self.metrics.step_latency.observe(time.perf_counter() - start)
         self.refresh_metrics()
         return REPLIES.encode(reply)
 
     def bad(self, error: str) -> bytes:
-        """Count a bad message and return the encoded ErrorReply."""
-        self._count_bad(error)
+        """Count a malformed message and return the encoded ErrorReply."""
+        self._count_bad(error, reason="malformed")
         return REPLIES.encode(ErrorReply(error))
 
-    def _count_bad(self, error: str, n: int = 1) -> None:
+    def _count_bad(self, error: str, n: int = 1, *, reason: str) -> None:
         self.bad_messages += n
-        self.metrics.bad_messages.inc(n)
-        log.warning("memsvc: %s", error)
+        self.metrics.bad_messages.labels(reason=reason).inc(n)
+        log.warning("memsvc: %s", error[:500])
 
     def reap(self, now: float | None = None) -> int:
         """Reclaim leases whose local pid is gone (at once) or that expired: silent for their
@@ -195,6 +208,12 @@ class MemsvcService:
             ("head_dim", msg.head_dim, mine.head_dim), ("dtype", msg.dtype, mine.dtype)) if got != want]
         if wrong:
             return ErrorReply("attach: layout mismatch: " + ", ".join(wrong))
+        if not 0 <= msg.pid <= MAX_PID:
+            return ErrorReply(f"attach: pid {msg.pid} is not a process id (0..{MAX_PID})")
+        if len(msg.name) > MAX_NAME or len(msg.host) > MAX_NAME:
+            return ErrorReply(f"attach: name and host must be at most {MAX_NAME} characters")
+        if len(self.leases) >= self.max_leases:
+            return ErrorReply(f"attach: {len(self.leases)} leases held, the most memsvc keeps")
         lease_id = secrets.randbits(62)
         local = msg.host == self._host and msg.pid > 0
         self.leases[lease_id] = Lease(lease_id, msg.name, msg.pid, local, time.monotonic())
@@ -207,6 +226,11 @@ class MemsvcService:
     def _step(self, msg: Step) -> StepReply | ErrorReply:
         if self._lease(msg.lease) is None:
             return self._unknown(msg.lease)
+        most = 2 * self.layout.max_reqs
+        for name in ("admit", "grow", "commit", "release"):
+            if len(getattr(msg, name)) > most:
+                return ErrorReply(f"step: {len(getattr(msg, name))} {name} items; at most {most} "
+                                  "(twice the pool's rows) in one step")
         pool, errors = self.pool, []
 
         def apply(items: list, handler: Callable) -> list:
@@ -224,7 +248,7 @@ class MemsvcService:
         grown = apply(msg.grow, pool.grow)
         admitted = apply(msg.admit, pool.admit)
         if errors:
-            self._count_bad("; ".join(errors), len(errors))
+            self._count_bad("; ".join(errors), len(errors), reason="invalid")
         if self._cuda:
             torch.cuda.synchronize()
         return StepReply(admitted=admitted, grown=grown, errors=errors, kv_usage=pool.kv_usage())

@@ -50,7 +50,7 @@ from kvserve.messages.frontend_runner import (
     TokenOut,
 )
 from kvserve.paths import FRONTEND_SOCKET, MEMSVC_SOCKET, ipc_address
-from kvserve.wire import WireError
+from kvserve.wire import MAX_FRAME_BYTES, WireError
 
 log = logging.getLogger("kvserve.runner")
 
@@ -106,7 +106,6 @@ class Worker:
             return None
         return client_keys(secret, server_file, secret_field="curve_secret_key_file", server_field=server_field)
 
-
     # ---- setup -------------------------------------------------------------------------
     def setup(self) -> bool:
         """Load the model, start metrics, attach to memsvc, connect to the frontend.
@@ -148,6 +147,7 @@ class Worker:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, cfg.runner_id.encode())
         sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a connected frontend, never to a dead one
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         sock.linger = 0
         if self.frontend_curve is not None:
             apply_client(sock, self.frontend_curve)
@@ -242,20 +242,34 @@ class Worker:
                     except zmq.Again:
                         break
         for frame in frames:
-            try:
-                msg = DOWN.decode(frame)
-            except WireError as exc:
-                self.metrics.bad_messages.inc()
-                log.warning("bad frame from the frontend: %s", exc)
-                continue
+            self.take_frame(frame)
+
+    def take_frame(self, frame: bytes) -> None:
+        """Decode and take one frame from the frontend; any frame, whatever it holds, is
+        taken or counted and dropped (a request that cannot be taken fails), never raised."""
+        try:
+            msg = DOWN.decode(frame)
+        except WireError as exc:
+            self.metrics.bad_messages.labels(reason="malformed").inc()
+            log.warning("bad frame from the frontend: %s", exc)
+            return
+        try:
+            self._take(msg)
+        except Exception as exc:  # noqa: BLE001 - no frame may end the runner
+            self.metrics.bad_messages.labels(reason="internal").inc()
+            log.exception("taking a %s raised", type(msg).__name__)
             if isinstance(msg, GenerateReq):
-                if self._crash_token is not None and self._crash_token in msg.token_ids:
-                    log.critical("%s: token %d in request %s: exiting", CRASH_ON_TOKEN_ENV,
-                                 self._crash_token, msg.request_id)
-                    os._exit(CRASH_EXIT)
-                self.sched.add(msg)
-            elif isinstance(msg, AbortReq):
-                self.sched.abort(msg.request_id)
+                self.sched.fail_unqueued(msg.request_id, f"internal error taking the request: {exc!r}")
+
+    def _take(self, msg: GenerateReq | AbortReq) -> None:
+        if isinstance(msg, AbortReq):
+            self.sched.abort(msg.request_id)
+            return
+        if self._crash_token is not None and self._crash_token in msg.token_ids:
+            log.critical("%s: token %d in request %s: exiting", CRASH_ON_TOKEN_ENV,
+                         self._crash_token, msg.request_id)
+            os._exit(CRASH_EXIT)
+        self.sched.add(msg)
 
     # ---- the loop ----------------------------------------------------------------------
     def run(self) -> int:

@@ -51,8 +51,12 @@ class RunnerMetrics:
             "kvserve_runner_memsvc_calls", "Step round trips from this runner to memsvc.", registry=r
         )
         self.bad_messages = Counter(
-            "kvserve_runner_bad_messages", "Malformed frames from the frontend, dropped.", registry=r
+            "kvserve_runner_bad_messages",
+            "Frames from the frontend dropped: malformed (undecodable), internal (taking it raised; "
+            "the request failed).", ["reason"], registry=r,
         )
+        for reason in ("malformed", "internal"):
+            self.bad_messages.labels(reason=reason)
         self.undelivered = Counter(
             "kvserve_runner_undelivered_outputs",
             "Token batches the frontend could not take within the send timeout; their "

@@ -201,6 +201,12 @@ class Scheduler:
         """Abort `request_id` at the start of the next step (unknown request_ids are ignored)."""
         self._aborts.append(request_id)
 
+    def fail_unqueued(self, request_id: str, error: str) -> None:
+        """`add` raised for `request_id`: fail it with `error` at the next step, unless it
+        was queued after all (then it runs)."""
+        if request_id not in self.table:
+            self._outbox.append(failed_output(request_id, error, ErrorCode.INTERNAL))
+
     # ---- state -------------------------------------------------------------------------
     @property
     def num_running(self) -> int:

@@ -134,7 +134,7 @@ def test_runner_process_serves_aborts_survives_memsvc_restart(tmp_path_factory: 
                 assert [t for o in outs for t in o.token_ids] == expected[f"e{i}"]
                 assert outs[-1].finish_reason == "length" and outs[0].queue_time >= 0.0
             page = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5).read().decode()
-            assert "\nkvserve_runner_bad_messages_total 1.0\n" in page
+            assert "\nkvserve_runner_bad_messages_total{reason=\"malformed\"} 1.0\n" in page
             multi = [b for b in fe.batches if len({o.request_id for o in b.outputs}) > 1]
             assert multi, "the batch's tokens must travel together, one TokenBatch per step"
             fe.send("r1", AbortReq("long"))
