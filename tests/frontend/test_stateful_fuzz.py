@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import msgpack
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -21,7 +20,6 @@ from hypothesis.stateful import (
     invariant,
     precondition,
     rule,
-    run_state_machine_as_test,
 )
 
 from kvserve.frontend import dispatch
@@ -36,6 +34,7 @@ from kvserve.messages.frontend_runner import (
     TokenLogprob,
     TokenOut,
 )
+from tests.stateful import drive
 
 FRAMES = {"sent": 0}
 RUNNERS = ["r0", "r1", "r2"]
@@ -138,8 +137,5 @@ class DispatcherMachine(RuleBasedStateMachine):
 
 
 def test_dispatcher_survives_ten_thousand_random_frames() -> None:
-    runs = settings(max_examples=40, stateful_step_count=100, deadline=None, database=None,
-                    suppress_health_check=list(HealthCheck))
-    while FRAMES["sent"] < 10_000:  # each round: 40 random runs of up to 100 rules
-        run_state_machine_as_test(DispatcherMachine, settings=runs)
+    drive(DispatcherMachine, FRAMES)
     assert FRAMES["sent"] >= 10_000

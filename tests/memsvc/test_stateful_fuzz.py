@@ -20,7 +20,6 @@ from pathlib import Path
 import msgpack
 import pytest
 import zmq
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -28,7 +27,6 @@ from hypothesis.stateful import (
     invariant,
     precondition,
     rule,
-    run_state_machine_as_test,
 )
 
 from kvserve.memsvc.client import MemClient
@@ -52,6 +50,7 @@ from kvserve.messages.runner_memsvc import (
     Step,
     StepReply,
 )
+from tests.stateful import drive
 
 SHAPE = PoolShape(n_layers=1, n_kv_heads=1, head_dim=4, dtype="float32", size=64, max_reqs=6,
                   max_context_len=24, page_size=2)
@@ -151,10 +150,7 @@ class MemsvcMachine(RuleBasedStateMachine):
 
 
 def test_memsvc_survives_ten_thousand_random_frames() -> None:
-    runs = settings(max_examples=40, stateful_step_count=100, deadline=None, database=None,
-                    suppress_health_check=list(HealthCheck))
-    while FRAMES["sent"] < 10_000:  # each round: 40 random runs of up to 100 rules
-        run_state_machine_as_test(MemsvcMachine, settings=runs)
+    drive(MemsvcMachine, FRAMES)
     assert FRAMES["sent"] >= 10_000
 
 

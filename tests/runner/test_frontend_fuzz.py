@@ -15,14 +15,12 @@ from typing import Any
 
 import msgpack
 import pytest
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
     invariant,
     rule,
-    run_state_machine_as_test,
 )
 
 from kvserve.config.runner import RunnerConfig
@@ -31,6 +29,7 @@ from kvserve.messages.frontend_runner import DOWN, AbortReq, GenerateReq, Sampli
 from kvserve.runner.main import Worker
 from kvserve.runner.metrics import RunnerMetrics
 from kvserve.runner.scheduler import Scheduler, SchedulerConfig
+from tests.stateful import drive
 
 from .runner_procs import attached, load_sharp_tiny, memsvc_args, memsvc_process
 
@@ -140,10 +139,7 @@ class RunnerMachine(RuleBasedStateMachine):
 
 
 def test_runner_survives_ten_thousand_random_frames() -> None:
-    runs = settings(max_examples=20, stateful_step_count=200, deadline=None, database=None,
-                    suppress_health_check=list(HealthCheck))
-    while FRAMES["sent"] < 10_000:  # each round: 20 random runs of up to 200 rules
-        run_state_machine_as_test(RunnerMachine, settings=runs)
+    drive(RunnerMachine, FRAMES, examples=20, steps=200)
     assert FRAMES["sent"] >= 10_000
     # the fuzz reached both sides: requests that ran to their end, and requests refused by name
     assert ENDINGS["length", ""] + ENDINGS["stop", ""] > 0, ENDINGS
