@@ -112,6 +112,8 @@ class Kill:
     recovery_s: float | None = None
     goal_s: float | None = None
     met: bool = True
+    failed_in_flight: int = 0  # requests running at the kill that failed
+    failed_after: int = 0  # requests started after the kill (before the next one) that failed
 
 
 def cpu_flags() -> list[str]:
@@ -294,10 +296,15 @@ def chaos(svc: Service, clients: Clients, args: argparse.Namespace) -> list[Kill
 
 
 def score_kills(kills: list[Kill], outcomes: list[Outcome]) -> None:
-    """Recovery: from the kill to the end of the first success among requests started after it."""
-    for kill in kills:
+    """Recovery: from the kill to the end of the first success among requests started after it.
+    What each kill cost: the failures of requests in flight at it, and of requests started
+    after it and before the next kill (the profile of what bounds availability)."""
+    for kill, nxt in zip(kills, [*(k.t_s for k in kills[1:]), float("inf")], strict=True):
         ends = [o.ended for o in outcomes if o.ok and o.started > kill.t_s]
         kill.recovery_s = round(min(ends) - kill.t_s, 2) if ends else None
+        failed = [o for o in outcomes if not o.ok and kill.t_s <= o.ended < nxt]
+        kill.failed_in_flight = sum(o.started < kill.t_s for o in failed)
+        kill.failed_after = len(failed) - kill.failed_in_flight
         kill.goal_s = RECOVERY_GOALS_S.get(kill.role)
         kill.met = kill.pid != 0 and kill.recovery_s is not None and (
             kill.goal_s is None or kill.recovery_s <= kill.goal_s)
@@ -398,9 +405,10 @@ def print_report(r: dict[str, Any]) -> None:
         print(f"{name:<22} {value}")
     for code, n in r["failed"].items():
         print(f"  failed {code:<20} {n}   {r['failure_examples'].get(code, [''])[0][:120]}")
-    print(f"{'kill':<22} {'at (s)':>8} {'recovery (s)':>13} {'goal (s)':>9}  met")
+    print(f"{'kill':<22} {'at (s)':>8} {'recovery (s)':>13} {'goal (s)':>9}  met    failed: in flight, after")
     for k in r["kills"]:
-        print(f"  {k['role']:<20} {k['t_s']:>8.1f} {str(k['recovery_s']):>13} {str(k['goal_s']):>9}  {k['met']}")
+        print(f"  {k['role']:<20} {k['t_s']:>8.1f} {str(k['recovery_s']):>13} {str(k['goal_s']):>9}  {k['met']!s:<6} "
+              f"{k['failed_in_flight']:>6} {k['failed_after']:>6}")
     for x in r["differing_examples"] + r["leftover"]:
         print(f"  {x}")
     print(f"log                    {r['log']}")
