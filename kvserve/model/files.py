@@ -267,9 +267,34 @@ def reader_fields(reader) -> dict:
     return out
 
 
-def gguf_fields(path: Path) -> dict:
-    """The GGUF header's metadata (see `reader_fields`)."""
-    return reader_fields(open_gguf(path))
+def gguf_fields(path: Path, cache_root: Path | None = None) -> dict:
+    """The GGUF header's metadata (see `reader_fields`), parsed once per file and kept as JSON
+    under ``cache_dir()/headers`` (keyed by the file's path, size and mtime). Parsing the
+    header of a real model takes seconds (gguf walks every vocabulary string), and memsvc and
+    the frontend read it at every start, so a restart after a crash waited on it. A cache
+    that cannot be read or written is skipped, never an error."""
+    cached = _header_cache(path, cache_root)
+    try:
+        return json.loads(cached.read_text())
+    except (OSError, ValueError):
+        pass
+    fields = reader_fields(open_gguf(path))
+    try:
+        text = json.dumps(fields)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_name(f".{cached.name}.{os.getpid()}")
+        tmp.write_text(text)
+        tmp.replace(cached)  # a reader never sees half a file
+    except (OSError, TypeError, ValueError):
+        pass
+    return fields
+
+
+def _header_cache(path: Path, cache_root: Path | None) -> Path:
+    root = cache_root if cache_root is not None else cache_dir() / "headers"
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return root / f"{path.stem}-{key}.json"
 
 
 def gguf_eos_ids(fields: dict) -> list[int]:
