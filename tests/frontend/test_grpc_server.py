@@ -96,7 +96,7 @@ def test_a_client_that_pings_too_often_is_sent_away(frontend: Frontend, runners)
     assert r.wait_for(lambda: len(r.aborts()) == 1)
 
 
-HUGE_CHARS = 1024 * 1024  # the default max_prompt_chars; the byte tokenizer takes seconds on it
+HUGE_CHARS = 4 * 1024 * 1024  # the byte tokenizer takes seconds on it (0.7 s per MiB on a quiet machine)
 MAX_GAP_S = 0.25  # the steady stream steps every 10 ms
 
 
@@ -107,7 +107,8 @@ def test_a_huge_prompt_being_tokenized_does_not_stall_other_streams(tmp_path) ->
     tokenize_s = time.perf_counter() - t0
     # on the event loop this tokenization would stop every stream for tokenize_s
     assert tokenize_s > 3 * MAX_GAP_S, f"the prompt tokenizes in {tokenize_s:.2f} s: too fast to show a stall"
-    fe = start_frontend(tmp_path / "rt")
+    fe = start_frontend(tmp_path / "rt", "--max-prompt-chars", str(HUGE_CHARS),
+                        "--max-message-bytes", str(2 * HUGE_CHARS))
     r = fe.runner("r-steady", step_s=0.01, reply="a" * 4000)
     arrivals: list[float] = []
     try:
