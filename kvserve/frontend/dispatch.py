@@ -96,7 +96,7 @@ class Pending:
     """One request the frontend sent to a runner."""
 
     request_id: str  # the client's
-    wire_id: str  # the current attempt's, on the runner link
+    key: str  # this frontend's: "<incarnation>:<seq>"
     token_ids: list[int]
     params: SamplingParams
     arrival: float
@@ -105,6 +105,11 @@ class Pending:
     tried: set[str] = field(default_factory=set)
     deaths: int = 0  # runners that died while running it
     runner_id: str = ""
+
+    @property
+    def wire_id(self) -> str:
+        """The current attempt's id on the runner link: one attempt per runner tried."""
+        return f"{self.key}.{len(self.tried)}"
 
 
 class Dispatcher:
@@ -169,7 +174,7 @@ class Dispatcher:
     def submit(self, request_id: str, token_ids: list[int], params: SamplingParams) -> Pending:
         """Send a request to the least-loaded live runner; raise NoRunner when there is none."""
         self._seq += 1
-        p = Pending(request_id=request_id, wire_id=f"{self.incarnation}:{self._seq}", token_ids=token_ids,
+        p = Pending(request_id=request_id, key=f"{self.incarnation}:{self._seq}", token_ids=token_ids,
                     params=params, arrival=time.time())
         self._send_to_runner(p)
         self.pending[request_id] = p
@@ -182,7 +187,6 @@ class Dispatcher:
             if st is None:
                 raise NoRunner("no live runner")
             p.tried.add(st.runner_id)
-            p.wire_id = f"{p.wire_id.split('.')[0]}.{len(p.tried)}"
             p.runner_id = st.runner_id
             msg = GenerateReq(request_id=p.wire_id, token_ids=p.token_ids, params=p.params,
                               arrival_time=p.arrival)

@@ -23,13 +23,14 @@ from kvserve.frontend.detok import TextStream
 from kvserve.frontend.dispatch import Dispatcher, Failure, NoRunner, Pending, UserAbort
 from kvserve.frontend.metrics import FrontendMetrics
 from kvserve.frontend.validation import InvalidArgument, prepare, prompt_ids
-from kvserve.messages.frontend_runner import FinishReason, TokenOut
+from kvserve.messages.frontend_runner import ErrorCode, FinishReason, TokenOut
 from kvserve.model.tokenizer import FrontendTokenizer
 from kvserve.v1 import generator_pb2 as pb
 from kvserve.v1 import generator_pb2_grpc as pb_grpc
 
 DETOK_CONTEXT = 4  # prompt tokens seeding the detokenizer window
-RUNNER_ERROR_CODES = {"INTERNAL": grpc.StatusCode.INTERNAL, "INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT}
+RUNNER_ERROR_CODES = {ErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
+                      ErrorCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT}
 """TokenOut.error_code -> status of the call; any other code (or "") is UNAVAILABLE."""
 
 

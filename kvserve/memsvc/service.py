@@ -227,9 +227,10 @@ class MemsvcService:
         if self._lease(msg.lease) is None:
             return self._unknown(msg.lease)
         most = 2 * self.layout.max_reqs
-        for name in ("admit", "grow", "commit", "release"):
-            if len(getattr(msg, name)) > most:
-                return ErrorReply(f"step: {len(getattr(msg, name))} {name} items; at most {most} "
+        for name, items in (("admit", msg.admit), ("grow", msg.grow), ("commit", msg.commit),
+                            ("release", msg.release)):
+            if len(items) > most:
+                return ErrorReply(f"step: {len(items)} {name} items; at most {most} "
                                   "(twice the pool's rows) in one step")
         pool, errors = self.pool, []
 

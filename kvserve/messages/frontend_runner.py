@@ -62,6 +62,14 @@ class FinishReason:
     ERROR = "error"  # failed in the runner (memsvc gone, internal error): see TokenOut.error
 
 
+class ErrorCode:
+    """Values of `TokenOut.error_code`: the gRPC status a failed request ends with."""
+
+    UNAVAILABLE = ""  # the runner or memsvc is in trouble; a retry may pass
+    INTERNAL = "INTERNAL"
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+
+
 class SamplingParams(Item, frozen=True, gc=False):
     """Per-request sampling. The frontend validates ranges before sending."""
 

@@ -292,9 +292,15 @@ def gguf_fields(path: Path, cache_root: Path | None = None) -> dict:
 
 def _header_cache(path: Path, cache_root: Path | None) -> Path:
     root = cache_root if cache_root is not None else cache_dir() / "headers"
+    return root / f"{file_key(path)}.json"
+
+
+def file_key(path: Path) -> str:
+    """A cache entry's name for what is derived from the file at `path`: its stem and a hash
+    of its resolved path, size and mtime (so a replaced file gets a new entry)."""
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    return root / f"{path.stem}-{key}.json"
+    return f"{path.stem}-{key}"
 
 
 def gguf_eos_ids(fields: dict) -> list[int]:

@@ -14,7 +14,6 @@ are written whole and renamed into place, so a reader never sees a half-written 
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import subprocess
@@ -22,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kvserve.model.files import ModelFileError
+from kvserve.model.files import ModelFileError, file_key
 from kvserve.paths import cache_dir
 
 BUILD_TIMEOUT_S = 600.0
@@ -31,9 +30,7 @@ BUILD_TIMEOUT_S = 600.0
 def cache_target(path: Path, cache_root: Path | None = None) -> Path:
     """The cache directory for the tokenizer of the GGUF file at `path`."""
     root = cache_root if cache_root is not None else cache_dir() / "tokenizers"
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    return root / f"{path.stem}-{key}"
+    return root / file_key(path)
 
 
 def build(path: Path, cache_root: Path | None = None) -> Path:

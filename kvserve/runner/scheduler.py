@@ -28,7 +28,13 @@ from typing import Any
 
 import torch
 
-from kvserve.messages.frontend_runner import FinishReason, GenerateReq, SamplingParams, TokenOut
+from kvserve.messages.frontend_runner import (
+    ErrorCode,
+    FinishReason,
+    GenerateReq,
+    SamplingParams,
+    TokenOut,
+)
 from kvserve.messages.runner_memsvc import Layout
 from kvserve.runner.batching import ForwardBatch
 from kvserve.runner.kvplan import KVPlanner, Work
@@ -53,14 +59,6 @@ MAX_STOP_TOKEN_IDS = 4096
 """Stop token ids one request may carry (above the frontend's default max_stop_token_ids, 256)."""
 MAX_NEW_TOKENS = (1 << 63) - 1
 """The largest max_new_tokens taken (the context length ends a request long before)."""
-
-
-class ErrorCode:
-    """Values of `TokenOut.error_code`: the gRPC status a failed request ends with."""
-
-    UNAVAILABLE = ""  # the runner or memsvc is in trouble; a retry may pass
-    INTERNAL = "INTERNAL"
-    INVALID_ARGUMENT = "INVALID_ARGUMENT"
 
 
 def failed_output(request_id: str, error: str, code: str = ErrorCode.UNAVAILABLE) -> TokenOut:
