@@ -21,6 +21,10 @@ class FrontendConfig:
     tokenizer: str = option("", help="'' = the model's tokenizer; 'bytes' = byte-level tokenizer (tests)")
     host: str = option("127.0.0.1", help="address the gRPC server binds to")
     port: int = option(50051, help="gRPC port (0 = pick a free one)")
+    http_port: int = option(8000, help="port of the OpenAI-compatible HTTP API on the same host as gRPC "
+                                       "(0 = off)")
+    served_model_name: str = option("", help="the model name the HTTP API serves and expects in "
+                                             "requests ('' = the model's own name)")
     frontend_address: str = option("", help="ZMQ address runners connect to "
                                             "('' = ipc://<runtime-dir>/frontend.sock)")
     runtime_dir: str = option("", help="directory for ipc sockets ('' = kvserve.paths.runtime_dir())")
@@ -67,6 +71,9 @@ class FrontendConfig:
             check_address(self.frontend_address, name="frontend_address", allow_remote=self.allow_remote)
         check_port("port", self.port, allow_zero=True)
         check_port("metrics_port", self.metrics_port, allow_zero=True)
+        check_port("http_port", self.http_port, allow_zero=True)
+        if self.http_port and self.http_port in (self.port, self.metrics_port):
+            raise ConfigError(f"--http-port {self.http_port}: the gRPC or the metrics port already uses it")
         check_positive(
             self, "max_message_bytes", "max_new_tokens_cap", "default_max_new_tokens",
             "max_concurrent_streams", "max_waiting", "max_stop_strings", "max_stop_len",

@@ -52,6 +52,8 @@ EXPOSED: dict[str, tuple[str, ...]] = {
     "dtype": ("runner", "memsvc"),
     "host": ("frontend",),
     "port": ("frontend",),
+    "http_port": ("frontend",),
+    "served_model_name": ("frontend",),
     "kv_tokens": ("memsvc",),
     "policy": ("memsvc",),
     "drain_timeout_s": ("frontend",),

@@ -1,25 +1,30 @@
-"""`kvserve frontend`: the gRPC front door (grpc.aio) in front of the runner workers.
+"""`kvserve frontend`: the front door (gRPC and OpenAI HTTP) in front of the runner workers.
 
-Wires together the `Dispatcher` (ZMQ ROUTER to the runners), the `GeneratorService`,
-standard `grpc.health.v1` health (SERVING only while a runner is live), server
-reflection, optional TLS and bearer-token auth, Prometheus metrics and sd_notify
-(READY=1 once the port answers and a runner is live, WATCHDOG=1, STOPPING=1). SIGTERM or
-SIGINT: health goes NOT_SERVING, new calls are refused, open streams drain for at most
-``--drain-timeout-s``, exit 0.
+Wires together the `Dispatcher` (ZMQ ROUTER to the runners), the `RequestPath` both faces
+share, the gRPC face (grpc.aio: `GeneratorService`, standard `grpc.health.v1` health,
+SERVING only while a runner is live, server reflection), the OpenAI HTTP face (FastAPI under
+uvicorn on the same event loop, `--http-port`), optional TLS and bearer-token auth on both,
+Prometheus metrics and sd_notify (READY=1 once the port answers and a runner is live,
+WATCHDOG=1, STOPPING=1). SIGTERM or SIGINT: health goes NOT_SERVING, new requests are
+refused, open streams drain for at most ``--drain-timeout-s``, exit 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hmac
 import logging
 import signal
+import socket
+import ssl
 import stat
 import sys
 from pathlib import Path
 
 import grpc
+import uvicorn
 import zmq
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -30,7 +35,9 @@ from kvserve.config.curve import require_curve, server_keys
 from kvserve.config.frontend import FrontendConfig
 from kvserve.frontend.dispatch import Dispatcher
 from kvserve.frontend.grpc_service import GeneratorService
+from kvserve.frontend.http_api import OpenAIFace
 from kvserve.frontend.metrics import FrontendMetrics
+from kvserve.frontend.requests import RequestPath
 from kvserve.frontend.router import Router
 from kvserve.metrics import serve_metrics
 from kvserve.model.tokenizer import load_frontend_tokenizer
@@ -145,8 +152,40 @@ def _bind(cfg: FrontendConfig) -> tuple[grpc.aio.Server, int]:
         raise OSError(f"cannot listen on {bind}: {exc}") from None
 
 
+def _bind_http(cfg: FrontendConfig) -> socket.socket | None:
+    """The HTTP face's listening socket (None when --http-port is 0), bound before anything
+    loads, so that a taken port fails at once."""
+    if not cfg.http_port:
+        return None
+    family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
+    try:
+        return socket.create_server((cfg.host, cfg.http_port), family=family, backlog=2048)
+    except OSError as exc:
+        raise OSError(f"--http-port: cannot listen on {cfg.host}:{cfg.http_port}: {exc.strerror or exc}") from None
+
+
+class _HTTPServer(uvicorn.Server):
+    """uvicorn on the frontend's event loop; the frontend's own signal handlers stay in charge."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # type: ignore[override]
+        yield
+
+
+def _http_server(cfg: FrontendConfig, face: OpenAIFace) -> _HTTPServer:
+    tls: dict = {}
+    if cfg.tls_cert:
+        tls = {"ssl_certfile": cfg.tls_cert, "ssl_keyfile": cfg.tls_key}
+        if cfg.tls_client_ca:
+            tls |= {"ssl_ca_certs": cfg.tls_client_ca, "ssl_cert_reqs": ssl.CERT_REQUIRED}
+    config = uvicorn.Config(face.app, lifespan="off", log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=1, timeout_keep_alive=30, **tls)
+    return _HTTPServer(config)
+
+
 async def _serve(cfg: FrontendConfig) -> int:
     server, port = _bind(cfg)
+    http_sock = _bind_http(cfg)
     tok = await asyncio.to_thread(load_frontend_tokenizer, cfg.tokenizer, cfg.model)
     metrics = FrontendMetrics()
     metrics.set_info(model=tok.name, tokenizer=cfg.tokenizer or "model")
@@ -160,7 +199,7 @@ async def _serve(cfg: FrontendConfig) -> int:
 
     def on_runners(n: int) -> None:
         metrics.runners_live.set(n)
-        status = health_pb2.HealthCheckResponse.SERVING if n and not service.draining else \
+        status = health_pb2.HealthCheckResponse.SERVING if n and not path.draining else \
             health_pb2.HealthCheckResponse.NOT_SERVING
         for name in HEALTH_NAMES:
             loop.create_task(health_servicer.set(name, status))
@@ -177,7 +216,8 @@ async def _serve(cfg: FrontendConfig) -> int:
                             lambda reason: metrics.bad_messages.labels(reason=reason).inc(),
                             lambda reason: metrics.dropped_outputs.labels(reason=reason).inc(),
                             on_fatal, curve=curve)
-    service = GeneratorService(cfg, tok, dispatcher, metrics)
+    path = RequestPath(cfg, tok, dispatcher, metrics)
+    service = GeneratorService(cfg, path)
     pb_grpc.add_GeneratorServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -187,7 +227,18 @@ async def _serve(cfg: FrontendConfig) -> int:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     dispatcher.start()
     await server.start()
+    http = None
+    if http_sock is not None:
+        face = OpenAIFace(cfg, path, cfg.served_model_name or tok.name,
+                          _read_token(cfg.auth_token_file) if cfg.auth_token_file else "",
+                          on_ignored=lambda name: metrics.http_ignored_fields.labels(field=name).inc())
+        http = _http_server(cfg, face)
+        http_task = asyncio.create_task(http.serve(sockets=[http_sock]))
+        http_task.add_done_callback(lambda t: None if stop.is_set() else on_fatal(
+            t.exception() or RuntimeError("the HTTP server stopped")))
     print(f"frontend listening on {cfg.host}:{port}, runners connect to {address}", flush=True)
+    if http_sock is not None:
+        print(f"frontend http on {cfg.host}:{http_sock.getsockname()[1]}", flush=True)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -196,14 +247,18 @@ async def _serve(cfg: FrontendConfig) -> int:
     await stop.wait()
 
     sdnotify.notify("STOPPING=1")
-    service.draining = True
+    path.draining = True
     for name in HEALTH_NAMES:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     deadline = loop.time() + cfg.drain_timeout_s
-    while service.active and loop.time() < deadline:
+    while path.active and loop.time() < deadline:
         await asyncio.sleep(0.05)
-    if service.active:
-        log.warning("drain timeout: cancelling %d open stream(s)", service.active)
+    if path.active:
+        log.warning("drain timeout: cancelling %d open stream(s)", path.active)
+    if http is not None:
+        http.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(http_task, timeout=5)
     await server.stop(grace=0.5)
     for task in (watchdog, ready):
         task.cancel()

@@ -23,7 +23,7 @@ DROPPED_OUTPUT_REASONS = ("late", "not_owner")
 FINISH_REASONS = ("stop", "length", "abort", "error")
 ERROR_CODES = (
     "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "UNAVAILABLE", "CANCELLED", "DEADLINE_EXCEEDED",
-    "UNAUTHENTICATED", "INTERNAL",
+    "UNAUTHENTICATED", "INTERNAL", "NOT_FOUND",
 )
 
 
@@ -46,6 +46,7 @@ class FrontendMetrics:
     runners_live: Gauge = field(init=False)
     bad_messages: Counter = field(init=False)
     dropped_outputs: Counter = field(init=False)
+    http_ignored_fields: Counter = field(init=False)
     info: Info = field(init=False)
 
     def __post_init__(self) -> None:
@@ -74,7 +75,7 @@ class FrontendMetrics:
             "kvserve_requests", "Finished requests by finish reason.", ["finish_reason"], registry=r
         )
         self.errors = Counter(
-            "kvserve_request_errors", "Failed requests by gRPC status code name.", ["code"], registry=r
+            "kvserve_request_errors", "Failed requests by gRPC status code name (HTTP errors under the equivalent name).", ["code"], registry=r
         )
         # Export zeros for the expected label values, so that rate() and the alert rules
         # see a series from the first scrape rather than after the first such request.
@@ -111,6 +112,12 @@ class FrontendMetrics:
         )
         for reason in DROPPED_OUTPUT_REASONS:
             self.dropped_outputs.labels(reason=reason)
+        self.http_ignored_fields = Counter(
+            "kvserve_frontend_http_ignored_fields",
+            "Request fields the HTTP API accepted and ignored (kvserve does not use them), by "
+            "name for vLLM's and SGLang's known fields, else \"other\".",
+            ["field"], registry=r,
+        )
         self.info = Info("kvserve_frontend", "Frontend build and configuration.", registry=r)
 
     def set_info(self, **labels: object) -> None:

@@ -36,7 +36,7 @@ class Prepared:
     stops: tuple[str, ...]
 
 
-def _check_ids(ids: list[int], vocab_size: int, field: str) -> None:
+def check_ids(ids: list[int], vocab_size: int, field: str) -> None:
     for i, tid in enumerate(ids):
         if tid >= vocab_size:
             raise InvalidArgument(f"{field}[{i}]", f"token id {tid} is out of vocabulary (size {vocab_size})")
@@ -64,7 +64,7 @@ def prompt_ids(prompt: pb.GenerateRequest | pb.TokenizeRequest, tok: FrontendTok
         ids = list(prompt.token_ids.ids)
         if not ids:
             raise InvalidArgument(f"{oneof}.token_ids", "empty prompt")
-        _check_ids(ids, tok.vocab_size, f"{oneof}.token_ids")
+        check_ids(ids, tok.vocab_size, f"{oneof}.token_ids")
     else:
         msgs = prompt.chat.messages
         if not msgs:
@@ -139,7 +139,7 @@ def sampling_params(s: pb.SamplingParams, tok: FrontendTokenizer, cfg: FrontendC
     if len(s.stop_token_ids) > cfg.max_stop_token_ids:
         raise InvalidArgument("sampling.stop_token_ids", f"too many stop token ids: {len(s.stop_token_ids)} > "
                                                           f"{cfg.max_stop_token_ids} (max_stop_token_ids)")
-    _check_ids(list(s.stop_token_ids), tok.vocab_size, "sampling.stop_token_ids")
+    check_ids(list(s.stop_token_ids), tok.vocab_size, "sampling.stop_token_ids")
     if not 0 <= s.logprobs <= MAX_LOGPROBS:
         raise InvalidArgument("sampling.logprobs", f"must be in 0..{MAX_LOGPROBS}, got {s.logprobs}")
     return SamplingParams(

@@ -16,6 +16,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvserve.tools.servectl import free_block
 from kvserve.v1 import generator_pb2_grpc as pb_grpc
 
 from .fake_runner import FakeRunner
@@ -30,6 +31,12 @@ class Frontend:
     channel: grpc.Channel
     stub: pb_grpc.GeneratorStub
     health: health_pb2_grpc.HealthStub
+    http_port: int = 0  # the OpenAI HTTP face (0 = off)
+    metrics_port: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
 
     def runner(self, runner_id: str, **kw) -> FakeRunner:
         return FakeRunner(self.zmq_address, runner_id, **kw)
@@ -46,15 +53,19 @@ class Frontend:
         return False
 
 
-def start_frontend(runtime: Path, *extra: str, notify_socket: str | None = None) -> Frontend:
+def start_frontend(runtime: Path, *extra: str, notify_socket: str | None = None, http: bool = False,
+                   metrics: bool = False) -> Frontend:
+    """Start a frontend; `http` turns the OpenAI face on (a free port), `metrics` the
+    metrics page (a free port)."""
     runtime.mkdir(mode=0o700, parents=True, exist_ok=True)
+    http_port, metrics_port = (free_block(1) if http else 0), (free_block(1) if metrics else 0)
     env = dict(os.environ, KVSERVE_RUNTIME_DIR=str(runtime))
     env.pop("NOTIFY_SOCKET", None)
     if notify_socket:
         env["NOTIFY_SOCKET"] = notify_socket
     cmd = [sys.executable, "-m", "kvserve.cli", "frontend", "--tokenizer", "bytes",
-           "--port", "0", "--metrics-port", "0", "--runtime-dir", str(runtime),
-           "--runner-timeout-s", "0.5", *extra]
+           "--port", "0", "--metrics-port", str(metrics_port), "--http-port", str(http_port),
+           "--runtime-dir", str(runtime), "--runner-timeout-s", "0.5", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=env)
     line = proc.stdout.readline()
     m = re.search(r"listening on [\d.]+:(\d+), runners connect to (\S+)", line)
@@ -63,8 +74,10 @@ def start_frontend(runtime: Path, *extra: str, notify_socket: str | None = None)
         proc.wait()
         raise RuntimeError(f"frontend did not start: {line!r}")
     channel = grpc.insecure_channel(f"127.0.0.1:{m.group(1)}")
+    if http_port:
+        assert proc.stdout.readline().startswith("frontend http on ")
     return Frontend(proc, int(m.group(1)), m.group(2), runtime, channel,
-                    pb_grpc.GeneratorStub(channel), health_pb2_grpc.HealthStub(channel))
+                    pb_grpc.GeneratorStub(channel), health_pb2_grpc.HealthStub(channel), http_port, metrics_port)
 
 
 def stop_frontend(fe: Frontend) -> int:

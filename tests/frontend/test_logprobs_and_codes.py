@@ -34,11 +34,11 @@ def test_logprobs_mapping_pairs_each_id_with_its_own_value() -> None:
         TokenLogprob(logprob=-0.5, top_ids=[5, 3], top_logprobs=[-0.5, -1.25]),
         TokenLogprob(logprob=-2.0, top_ids=[1, 9, 4], top_logprobs=[-0.75, -2.0, -3.5]),
     ])
-    got = _logprobs(out)
+    got = _logprobs(out.token_ids, out.logprobs)
     assert [(m.token_id, m.logprob) for m in got] == [(5, -0.5), (9, -2.0)]
     assert _pairs(got[0]) == [(5, -0.5), (3, -1.25)]
     assert _pairs(got[1]) == [(1, -0.75), (9, -2.0), (4, -3.5)]
-    assert _logprobs(TokenOut(request_id="r", token_ids=[5])) == []
+    assert _logprobs([5], []) == []
 
 
 def test_logprobs_through_a_frontend_process(frontend: Frontend, runners) -> None:

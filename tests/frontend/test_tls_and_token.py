@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import ssl
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 import zmq
 from grpc_health.v1 import health_pb2
@@ -131,9 +133,22 @@ def _model_info(port: int, ca: Path, client: tuple[Path, Path] | None) -> str:
 def test_mutual_tls_admits_only_certificates_our_ca_signed(tmp_path: Path, pki) -> None:
     key, cert = pki["server"]
     fe = start_frontend(tmp_path / "rt", "--tls-cert", str(cert), "--tls-key", str(key),
-                        "--tls-client-ca", str(pki["ca"][1]))
+                        "--tls-client-ca", str(pki["ca"][1]), http=True)
     try:
         assert _model_info(fe.port, pki["ca"][1], pki["client"]) == "bytes"
+        # the HTTP face takes the same certificates
+        https = f"https://127.0.0.1:{fe.http_port}/v1/models"
+        ours = ssl.create_default_context(cafile=pki["ca"][1])
+        ours.load_cert_chain(pki["client"][1], pki["client"][0])
+        assert httpx.get(https, verify=ours).json()["data"][0]["id"] == "bytes"
+        for client in (None, pki["rogue"]):
+            ctx = ssl.create_default_context(cafile=pki["ca"][1])
+            if client:
+                ctx.load_cert_chain(client[1], client[0])
+            with pytest.raises(httpx.TransportError):
+                httpx.get(https, verify=ctx)
+        with pytest.raises(httpx.TransportError):  # plaintext
+            httpx.get(f"http://127.0.0.1:{fe.http_port}/v1/models")
         for client in (None, pki["rogue"]):
             with pytest.raises(grpc.RpcError) as info:
                 _model_info(fe.port, pki["ca"][1], client)
@@ -150,9 +165,11 @@ def test_mutual_tls_admits_only_certificates_our_ca_signed(tmp_path: Path, pki) 
 @pytest.mark.timeout(120)
 def test_tls_without_client_ca_still_serves_clients_without_certificates(tmp_path: Path, pki) -> None:
     key, cert = pki["server"]
-    fe = start_frontend(tmp_path / "rt", "--tls-cert", str(cert), "--tls-key", str(key))
+    fe = start_frontend(tmp_path / "rt", "--tls-cert", str(cert), "--tls-key", str(key), http=True)
     try:
         assert _model_info(fe.port, pki["ca"][1], None) == "bytes"
+        ctx = ssl.create_default_context(cafile=pki["ca"][1])
+        assert httpx.get(f"https://127.0.0.1:{fe.http_port}/version", verify=ctx).status_code == 200
     finally:
         assert stop_frontend(fe) == 0
 
