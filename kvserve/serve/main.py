@@ -246,7 +246,9 @@ def run(sup: Supervisor) -> int:
                 break
             if not announced and sup.all_ready():
                 announced = True
-                print(f"kvserve serving on {cfg.frontend.host}:{cfg.frontend.port} ({cfg.runners} runner(s))",
+                http = (f", OpenAI HTTP API on http{'s' if cfg.frontend.tls_cert else ''}://"
+                        f"{cfg.frontend.host}:{cfg.frontend.http_port}/v1" if cfg.frontend.http_port else "")
+                print(f"kvserve serving on {cfg.frontend.host}:{cfg.frontend.port} ({cfg.runners} runner(s)){http}",
                       flush=True)
                 sdnotify.notify("READY=1")
             if not announced and time.monotonic() - started > cfg.ready_timeout_s:

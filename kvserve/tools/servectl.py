@@ -111,6 +111,12 @@ class Service:
     stub: pb_grpc.GeneratorStub
     health: health_pb2_grpc.HealthStub
     shm_before: set[str] = field(default_factory=set)
+    http_port: int = 0  # the OpenAI HTTP face (0 = off)
+
+    @property
+    def url(self) -> str:
+        """Base URL of the OpenAI HTTP face."""
+        return f"http://127.0.0.1:{self.http_port}"
 
     def pids(self) -> dict[str, int]:
         """{role: pid} of the live children (first runner only)."""
@@ -187,12 +193,14 @@ class LeftBehind(RuntimeError):
 
 def start_serve(runtime: Path, model: Path | None, *extra: str, ready_s: float = 150.0,
                 dtype: str | None = "float32", device: str | None = "cpu",
-                log: Path | None = None) -> Service:
+                log: Path | None = None, http: bool = False) -> Service:
     """Start `kvserve serve` on `model` (None = the embedded default) and wait until it serves.
     `dtype`/`device` None: serve's own default. `log`: a file that gets serve's stderr, which
-    its children inherit (all their logs); None: this process's stderr."""
+    its children inherit (all their logs); None: this process's stderr. `http`: the OpenAI
+    HTTP face on a free port (else off)."""
     runtime.mkdir(mode=0o700, parents=True, exist_ok=True)
     port, metrics = free_block(1), free_block(5)
+    http_port = free_block(1) if http else 0
     env = dict(os.environ, KVSERVE_RUNTIME_DIR=str(runtime))
     env.pop("NOTIFY_SOCKET", None)
     shm_before = set(os.listdir("/dev/shm"))
@@ -200,7 +208,7 @@ def start_serve(runtime: Path, model: Path | None, *extra: str, ready_s: float =
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvserve.cli", "serve", *(["--model", str(model)] if model else []),
          *(["--dtype", dtype] if dtype else []), *(["--device", device] if device else []),
-         "--port", str(port), "--metrics-port", str(metrics),
+         "--port", str(port), "--metrics-port", str(metrics), "--http-port", str(http_port),
          "--runtime-dir", str(runtime), "--ready-timeout-s", str(ready_s), *extra],
         env=env, stdout=subprocess.PIPE, stderr=stderr, text=True,
     )
@@ -215,7 +223,7 @@ def start_serve(runtime: Path, model: Path | None, *extra: str, ready_s: float =
     threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # keep the pipe drained
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     return Service(proc, port, metrics, runtime, channel, pb_grpc.GeneratorStub(channel),
-                   health_pb2_grpc.HealthStub(channel), shm_before)
+                   health_pb2_grpc.HealthStub(channel), shm_before, http_port)
 
 
 def stop_serve(svc: Service, timeout: float = 60.0) -> int:
