@@ -45,9 +45,15 @@ def test_runner_kill9_unavailable_lease_reclaimed_restart_hits_cache(svc: Servic
     prefix = "A prompt cached before the crash, long enough to matter. "
     warm = list(svc.stub.Generate(greedy(prefix, 2), timeout=60))
     assert warm[-1].finish_reason == "length"
-    streams = [Stream(svc.stub, greedy(f"stream {i}: count on", 60)) for i in range(3)]
+    # two streams of 140 tokens (2 x ~160 reserved slots fit beside the 59 cached ones): a
+    # tiny-model stream of 60 ends ~0.1 s after its first token, which a loaded CI host spent
+    # before the kill; the runner is frozen first so that no stream can end before it dies
+    streams = [Stream(svc.stub, greedy(f"stream {i}: count on", 140)) for i in range(2)]
     _wait_first(streams)
     runner = svc.pids()["runner"]
+    os.kill(runner, signal.SIGSTOP)
+    assert all(s.code is None for s in streams), \
+        f"a stream ended before the runner was stopped: {[(s.code, len(s.tokens)) for s in streams]}"
     os.kill(runner, signal.SIGKILL)
     killed = time.monotonic()
     for s in streams:
