@@ -164,6 +164,28 @@ def test_one_address_check_names_the_field(cfg_kw: dict, cls: type, flag: str) -
         cls(**{next(iter(cfg_kw)): "tcp://127.0.0.1"})
 
 
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"kv_events_endpoint": "tcp://127.0.0.1:5557"},
+     "^--kv-events-endpoint and --kv-events-replay-endpoint go together"),
+    ({"kv_events_endpoint": "tcp://127.0.0.1:5557", "kv_events_replay_endpoint": "tcp://127.0.0.1:5557"},
+     "^--kv-events-replay-endpoint: tcp://127.0.0.1:5557 is also --kv-events-endpoint"),
+    ({"kv_events_endpoint": "ipc:///tmp/ev", "kv_events_replay_endpoint": "tcp://127.0.0.1:5558"},
+     "^--kv-events-endpoint: 'ipc:///tmp/ev' must be tcp://HOST:PORT"),
+    ({"kv_events_endpoint": "tcp://*:5557", "kv_events_replay_endpoint": "tcp://127.0.0.1:5558"},
+     "^--kv-events-endpoint: 'tcp://\\*:5557' needs a concrete host"),
+    ({"kv_events_endpoint": "tcp://127.0.0.1:5557", "kv_events_replay_endpoint": "tcp://10.0.0.2:5558"},
+     "^--kv-events-replay-endpoint: 10.0.0.2 is not a loopback address"),
+    ({"kv_event_block_size": 0}, "^--kv-event-block-size: must be >= 1, got 0"),
+    ({"kv_event_block_size": 12, "page_size": 8}, "^--kv-event-block-size 12: must be a multiple of --page-size 8"),
+])
+def test_kv_event_settings_are_checked(kw: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        MemsvcConfig(**kw)
+    cfg = MemsvcConfig(kv_events_endpoint="tcp://10.0.0.2:5557", kv_events_replay_endpoint="tcp://10.0.0.2:5558",
+                       allow_remote=True, kv_event_block_size=32, page_size=16)
+    assert cfg.kv_event_block_size == 32
+
+
 def test_devices_one_dtype_list_and_auto() -> None:
     for cls in (MemsvcConfig, RunnerConfig):
         assert cls(dtype="auto", device="auto").dtype == "auto"

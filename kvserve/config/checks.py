@@ -57,3 +57,25 @@ def check_address(address: str, *, name: str, allow_remote: bool) -> None:
         raise ConfigError(f"{flag}: {address!r} is not tcp://HOST:PORT")
     if not allow_remote and not is_loopback(host):
         raise ConfigError(f"{flag}: {host} is not a loopback address (use --allow-remote)")
+
+
+def check_kv_events(live: str, replay: str, block_size: int, *, allow_remote: bool) -> None:
+    """The KV-event settings (kv_events_endpoint, kv_events_replay_endpoint,
+    kv_event_block_size): both endpoints or neither, distinct tcp://HOST:PORT with a concrete
+    host (routers refuse * and 0.0.0.0), loopback unless `allow_remote`."""
+    if bool(live) != bool(replay):
+        raise ConfigError("--kv-events-endpoint and --kv-events-replay-endpoint go together")
+    if block_size < 1:
+        raise ConfigError(f"--kv-event-block-size: must be >= 1, got {block_size}")
+    if not live:
+        return
+    if live == replay:
+        raise ConfigError(f"--kv-events-replay-endpoint: {replay} is also --kv-events-endpoint")
+    for name, address in (("kv_events_endpoint", live), ("kv_events_replay_endpoint", replay)):
+        if not address.startswith("tcp://"):
+            raise ConfigError(f"{flag_name(name)}: {address!r} must be tcp://HOST:PORT (routers connect over TCP)")
+        host = address[len("tcp://"):].rpartition(":")[0].strip("[]")
+        if host in ("*", "0.0.0.0", "::"):
+            raise ConfigError(f"{flag_name(name)}: {address!r} needs a concrete host (routers refuse * and "
+                              "0.0.0.0)")
+        check_address(address, name=name, allow_remote=allow_remote)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.config import ConfigError, option
-from kvserve.config.checks import check_address, check_port, check_positive
+from kvserve.config.checks import check_address, check_kv_events, check_port, check_positive
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +52,12 @@ class FrontendConfig:
     request_inactivity_timeout_s: float = option(
         120.0, help="seconds a Generate call may wait for its next output before it fails "
                     "UNAVAILABLE (0 = wait as long as the client's deadline)")
+    kv_events_endpoint: str = option("", help="memsvc's KV-event PUB endpoint, reported to routers by GET "
+                                              "/kv_event_sources ('' = none)")
+    kv_events_replay_endpoint: str = option("", help="memsvc's KV-event replay endpoint, reported by GET "
+                                                     "/kv_event_sources")
+    kv_event_block_size: int = option(16, help="tokens per block of memsvc's KV events, reported by GET "
+                                               "/get_server_info")
     tls_cert: str = option("", help="PEM certificate chain for TLS (with --tls-key)")
     tls_key: str = option("", help="PEM private key for TLS (with --tls-cert)")
     auth_token_file: str = option("", help="file holding the bearer token clients must send "
@@ -72,6 +78,9 @@ class FrontendConfig:
         check_port("port", self.port, allow_zero=True)
         check_port("metrics_port", self.metrics_port, allow_zero=True)
         check_port("http_port", self.http_port, allow_zero=True)
+        # memsvc binds them (and checks who may connect); here they are only reported
+        check_kv_events(self.kv_events_endpoint, self.kv_events_replay_endpoint, self.kv_event_block_size,
+                        allow_remote=True)
         if self.http_port and self.http_port in (self.port, self.metrics_port):
             raise ConfigError(f"--http-port {self.http_port}: the gRPC or the metrics port already uses it")
         check_positive(

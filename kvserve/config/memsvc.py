@@ -10,7 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.config import ConfigError, option, parse_size
-from kvserve.config.checks import check_address, check_at_least, check_port, check_positive
+from kvserve.config.checks import (
+    check_address,
+    check_at_least,
+    check_kv_events,
+    check_port,
+    check_positive,
+)
 from kvserve.config.devices import check_device, check_dtype
 
 # the names kvserve.memsvc.policy registers (a test keeps the two in step)
@@ -59,6 +65,13 @@ class MemsvcConfig:
     curve_public_keys_dir: str = option("", help="directory of the public keys (*.key) of the runners "
                                                  "allowed to attach over CURVE; no one else gets an answer")
     integrity_interval_s: float = option(1.0, help="seconds between invariant checks while idle")
+    kv_events_endpoint: str = option("", help="tcp://HOST:PORT of the ZMQ PUB socket publishing KV-cache "
+                                              "events in vLLM's format for routers ('' = off; loopback "
+                                              "unless --allow-remote; a concrete host, not * or 0.0.0.0)")
+    kv_events_replay_endpoint: str = option("", help="tcp://HOST:PORT of the ROUTER socket replaying "
+                                                     "buffered KV-cache events (with --kv-events-endpoint)")
+    kv_event_block_size: int = option(16, help="tokens per block in the KV-cache events (the router's "
+                                               "--kv-event-block-size)")
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype)
@@ -81,3 +94,9 @@ class MemsvcConfig:
                        "integrity_interval_s")
         if self.address is not None:
             check_address(self.address, name="address", allow_remote=self.allow_remote)
+        check_kv_events(self.kv_events_endpoint, self.kv_events_replay_endpoint, self.kv_event_block_size,
+                        allow_remote=self.allow_remote)
+        if self.kv_event_block_size % self.page_size:
+            # the cache matches whole pages: a block inside a page could be announced twice
+            raise ConfigError(f"--kv-event-block-size {self.kv_event_block_size}: must be a multiple of "
+                              f"--page-size {self.page_size}")

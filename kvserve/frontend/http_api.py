@@ -180,6 +180,7 @@ class OpenAIFace:
         self.tok = path.tok
         self.model = served_model_name
         self.created = int(time.time())
+        self.instance_id = f"{served_model_name}-{uuid.uuid4().hex[:12]}"  # unique per incarnation
         self._on_ignored = on_ignored
         self._warned: set[str] = set()
         self.app = self._build()
@@ -200,6 +201,7 @@ class OpenAIFace:
 
         for method, route, handler in (
                 ("GET", "/health", self.health), ("GET", "/version", self.version),
+                ("GET", "/get_server_info", self.server_info), ("GET", "/kv_event_sources", self.kv_event_sources),
                 ("GET", "/v1/models", self.models), ("POST", "/v1/completions", self.completions),
                 ("POST", "/v1/chat/completions", self.chat_completions),
                 ("POST", "/v1/completions/render", self.render_completion),
@@ -247,6 +249,21 @@ class OpenAIFace:
             "id": self.model, "object": "model", "created": self.created, "owned_by": "kvserve",
             "root": self.tok.name, "parent": None, "max_model_len": self.path.context_len(),
         }]}
+
+    async def server_info(self) -> dict:
+        """What a router's KV-aware discovery reads: the model identity, this incarnation, the
+        block size of the KV events."""
+        return {"model_id": self.model, "model_path": self.tok.name, "instance_id": self.instance_id,
+                "kv_block_size": self.cfg.kv_event_block_size, "block_size": self.cfg.kv_event_block_size,
+                "max_model_len": self.path.context_len(), "version": __version__}
+
+    async def kv_event_sources(self) -> dict:
+        """memsvc's KV-event sockets, keyed by data-parallel rank ({} when not published)."""
+        if not self.cfg.kv_events_endpoint:
+            return {}
+        return {"0": {"endpoint": self.cfg.kv_events_endpoint, "replay_endpoint": self.cfg.kv_events_replay_endpoint,
+                      "topic": "", "publisher": "zmq", "encoding": "msgpack", "schema_version": 1,
+                      "enable_kv_cache_events": True, "block_size": self.cfg.kv_event_block_size}}
 
     async def tokenize(self, request: Request) -> dict:
         body: TokenizeRequest = await self._parse(request, TokenizeRequest)

@@ -45,6 +45,12 @@ class MemsvcMetrics:
                                     ["reason"], registry=r)
         for reason in BAD_MESSAGE_REASONS:
             self.bad_messages.labels(reason=reason)
+        self.kv_event_messages = Counter(
+            "kvserve_memsvc_kv_event_messages",
+            "KV-event messages for routers: sent on the PUB socket, or dropped above its high-water "
+            "mark (still in the replay ring)", ["outcome"], registry=r)
+        self.kv_event_blocks = Counter("kvserve_memsvc_kv_event_blocks",
+                                       "Blocks announced in KV events, by event type", ["type"], registry=r)
         self.info = Info("kvserve_memsvc", "memsvc build and pool settings", registry=r)
         self._queried = 0
         self._hit = 0

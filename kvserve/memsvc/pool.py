@@ -20,7 +20,7 @@ import torch
 
 from kvserve.memsvc.allocator import PageAllocator
 from kvserve.memsvc.policy import AdmissionPolicy
-from kvserve.memsvc.radix import Node, RadixCache
+from kvserve.memsvc.radix import CacheListener, Node, RadixCache
 from kvserve.messages.runner_memsvc import (
     REASON_EXHAUSTED,
     Admit,
@@ -72,13 +72,14 @@ class Pool:
     """Allocation state of one KV pool; the single writer of `req_to_token`."""
 
     def __init__(self, *, size: int, page_size: int, max_reqs: int, max_context_len: int,
-                 policy: AdmissionPolicy, req_to_token: torch.Tensor) -> None:
+                 policy: AdmissionPolicy, req_to_token: torch.Tensor,
+                 listener: CacheListener | None = None) -> None:
         self.page_size = page_size
         self.max_context_len = max_context_len
         self.policy = policy
         self.req_to_token = req_to_token
         self.allocator = PageAllocator(size, page_size)
-        self.tree = RadixCache(page_size)
+        self.tree = RadixCache(page_size, listener)
         self.rows: dict[tuple[int, int], Row] = {}
         self._free_rows = list(range(max_reqs - 1, -1, -1))
         self._request_slots = 0

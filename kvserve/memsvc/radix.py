@@ -5,7 +5,8 @@ it. With page_size > 1 every key and match length is a whole number of pages, an
 node's children are keyed by their first page.
 
 The tree owns the slots stored in its nodes; a locked node (and all its ancestors) is
-never evicted. This module knows nothing about requests, rows, leases or the wire.
+never evicted. A `CacheListener` hears of every run of tokens that enters or leaves the
+tree (memsvc's KV events). This module knows nothing about requests, rows, leases or the wire.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import heapq
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -40,6 +42,16 @@ class Match:
 
     slots: np.ndarray
     node: Node
+
+
+class CacheListener(Protocol):
+    """Told of what enters and leaves a `RadixCache`, as whole token sequences from position 0."""
+
+    def stored(self, tokens: np.ndarray, old_len: int) -> None:
+        """`tokens` are cached now; before, only its first `old_len` were."""
+
+    def removed(self, tokens: np.ndarray, start: int) -> None:
+        """The positions [start, len(tokens)) of the sequence `tokens` left the cache."""
 
 
 class PrefixCache(ABC):
@@ -98,8 +110,9 @@ class PrefixCache(ABC):
 class RadixCache(PrefixCache):
     """Radix tree with LRU eviction of unlocked leaves."""
 
-    def __init__(self, page_size: int = 1) -> None:
+    def __init__(self, page_size: int = 1, listener: CacheListener | None = None) -> None:
         self.page_size = page_size
+        self.listener = listener
         self._tick = 0
         self.root = Node(_EMPTY, _EMPTY, None, 0)
         self.root.lock_ref = 1
@@ -171,6 +184,8 @@ class RadixCache(PrefixCache):
             node.children[self._child_key(leaf.key)] = leaf
             self._evictable += len(leaf.value)
             self._total += len(leaf.value)
+            if self.listener is not None:
+                self.listener.stored(tokens, pos)
         return pos
 
     def lock(self, node: Node) -> None:
@@ -198,6 +213,9 @@ class RadixCache(PrefixCache):
             _, _, leaf = heapq.heappop(heap)
             parent = leaf.parent
             assert parent is not None
+            if self.listener is not None:
+                path = self.path(leaf)
+                self.listener.removed(path, len(path) - len(leaf.key))
             del parent.children[self._child_key(leaf.key)]
             freed.append(leaf.value)
             got += len(leaf.value)
@@ -214,6 +232,14 @@ class RadixCache(PrefixCache):
     @property
     def total_size(self) -> int:
         return self._total
+
+    def path(self, node: Node) -> np.ndarray:
+        """The token ids from the root to the end of `node`."""
+        keys = []
+        while node is not self.root:
+            keys.append(node.key)
+            node = node.parent  # type: ignore[assignment]
+        return np.concatenate(keys[::-1]) if keys else _EMPTY
 
     def nodes(self) -> Iterator[Node]:
         """Every node but the root (depth first)."""

@@ -26,7 +26,9 @@ from kvserve.config import ConfigError, config_from_args, process_parser
 from kvserve.config.curve import ServerKeys, apply_server, require_curve, server_keys
 from kvserve.config.devices import resolve_device, resolve_dtype
 from kvserve.config.memsvc import MemsvcConfig
+from kvserve.memsvc.kv_events import EventPublisher
 from kvserve.memsvc.shape import resolve_shape
+from kvserve.messages.kv_events import AllBlocksCleared
 from kvserve.messages.runner_memsvc import REQUESTS, Stats
 from kvserve.metrics import serve_metrics
 from kvserve.paths import MEMSVC_SOCKET, bind_private, ipc_address
@@ -62,7 +64,7 @@ class MemsvcServer:
     """One bound ROUTER socket serving one `MemsvcService` until `stop()`."""
 
     def __init__(self, service: MemsvcService, address: str, *, integrity_interval_s: float = 1.0,
-                 curve: ServerKeys | None = None) -> None:
+                 curve: ServerKeys | None = None, events: tuple[str, str] | None = None) -> None:
         self.service = service
         self.address = address
         self.integrity_interval_s = integrity_interval_s
@@ -75,6 +77,20 @@ class MemsvcServer:
         if address.startswith("ipc://"):
             _claim_ipc_path(self.ctx, address)
         self._ipc_path = bind_private(self.sock, address)
+        self.publisher: EventPublisher | None = None
+        if events is not None:  # KV-cache events for routers: (live endpoint, replay endpoint)
+            try:
+                self.publisher = EventPublisher(self.ctx, *events)
+            except zmq.ZMQError:
+                self.sock.close(0)
+                self.ctx.term()
+                raise
+        if self.publisher is not None:  # AllBlocksCleared goes out as seq 0 before memsvc is ready
+            self._publish({})
+        self._poller = zmq.Poller()
+        self._poller.register(self.sock, zmq.POLLIN)
+        if self.publisher is not None:
+            self._poller.register(self.publisher.replay, zmq.POLLIN)
         self._running = True
 
     def stop(self, *_: object) -> None:
@@ -87,7 +103,8 @@ class MemsvcServer:
         now = time.monotonic()
         last_msg = last_reap = last_check = last_dog = now
         while self._running:
-            if sock.poll(POLL_MS):
+            ready = dict(self._poller.poll(POLL_MS))
+            if sock in ready:
                 while True:
                     try:
                         parts = sock.recv_multipart(zmq.NOBLOCK, copy=True)
@@ -100,6 +117,8 @@ class MemsvcServer:
                         reply = svc.handle(parts[1])
                     sock.send_multipart([ident, reply])
                 last_msg = time.monotonic()
+            if self.publisher is not None:
+                self._publish(ready)
             now = time.monotonic()
             if now - last_reap >= REAP_INTERVAL_S:
                 svc.reap(now)
@@ -111,7 +130,25 @@ class MemsvcServer:
                 sdnotify.notify("WATCHDOG=1")
                 last_dog = now
 
+    def _publish(self, ready: dict) -> None:
+        """Send the KV events the handled messages caused (never blocks) and answer replays."""
+        assert self.publisher is not None and self.service.events is not None
+        events = self.service.events.take()
+        if events:
+            pub, m = self.publisher, self.service.metrics
+            sent, dropped = pub.sent, pub.dropped
+            pub.publish(events)
+            m.kv_event_messages.labels(outcome="sent").inc(pub.sent - sent)
+            m.kv_event_messages.labels(outcome="dropped").inc(pub.dropped - dropped)
+            for event in events:
+                if not isinstance(event, AllBlocksCleared):
+                    m.kv_event_blocks.labels(type=type(event).__name__).inc(len(event.block_hashes))
+        if self.publisher.replay in ready:
+            self.publisher.serve_replays()
+
     def close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
         self.sock.close(0)
         self.ctx.term()
         if self._ipc_path is not None:
@@ -146,15 +183,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         service = MemsvcService(shape, policy=cfg.policy, grow_chunk=cfg.grow_chunk, device=cfg.device,
                                 lease_timeout_s=cfg.lease_timeout_s, lease_grace_s=cfg.lease_grace_s,
-                                reclaim_quarantine_s=cfg.reclaim_quarantine_s)
+                                reclaim_quarantine_s=cfg.reclaim_quarantine_s,
+                                kv_event_block_size=cfg.kv_event_block_size if cfg.kv_events_endpoint else 0)
     except (RuntimeError, ValueError, OSError) as exc:
         print(f"kvserve memsvc: error: cannot allocate the pool: {exc}", file=sys.stderr)
         return 1
     try:
-        server = MemsvcServer(service, address, integrity_interval_s=cfg.integrity_interval_s, curve=curve)
+        events = (cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint) if cfg.kv_events_endpoint else None
+        server = MemsvcServer(service, address, integrity_interval_s=cfg.integrity_interval_s, curve=curve,
+                              events=events)
     except (zmq.ZMQError, OSError) as exc:
         service.close()
-        print(f"kvserve memsvc: error: cannot bind {address}: {exc}", file=sys.stderr)
+        where = address if events is None else f"{address}, {events[0]} or {events[1]}"
+        print(f"kvserve memsvc: error: cannot bind {where}: {exc}", file=sys.stderr)
         return 1
     try:
         http = serve_metrics(service.metrics.registry, cfg.metrics_port, cfg.metrics_host)
@@ -165,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, server.stop)
     signal.signal(signal.SIGINT, server.stop)
     print(f"memsvc ready address={address} curve={'on' if curve else 'off'} slots={shape.size} "
-          f"page_size={shape.page_size} policy={cfg.policy} device={cfg.device} metrics_port={cfg.metrics_port}", flush=True)
+          f"page_size={shape.page_size} policy={cfg.policy} device={cfg.device} metrics_port={cfg.metrics_port}"
+          f"{f' kv_events={cfg.kv_events_endpoint}' if cfg.kv_events_endpoint else ''}", flush=True)
     sdnotify.notify("READY=1")
     try:
         server.serve()

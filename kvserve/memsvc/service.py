@@ -24,6 +24,7 @@ import torch
 
 from kvserve import __version__
 from kvserve.memsvc.integrity import check_integrity
+from kvserve.memsvc.kv_events import BlockEvents
 from kvserve.memsvc.metrics import MemsvcMetrics
 from kvserve.memsvc.policy import make_policy
 from kvserve.memsvc.pool import ItemError, Pool
@@ -71,7 +72,8 @@ class MemsvcService:
 
     def __init__(self, shape: PoolShape, *, policy: str, grow_chunk: int, device: str,
                  lease_timeout_s: float, lease_grace_s: float = 0.5,
-                 reclaim_quarantine_s: float = 2.0, local_pids: bool = True) -> None:
+                 reclaim_quarantine_s: float = 2.0, local_pids: bool = True,
+                 kv_event_block_size: int = 0) -> None:
         self.layout = Layout(
             n_layers=shape.n_layers, n_kv_heads=shape.n_kv_heads, head_dim=shape.head_dim,
             dtype=shape.dtype, size=shape.size, page_size=shape.page_size,
@@ -82,9 +84,12 @@ class MemsvcService:
                             head_dim=shape.head_dim, dtype=shape.dtype, device=device)
         self.table = ReqToTokenPool(max_reqs=shape.max_reqs, max_context_len=shape.max_context_len,
                                     device=device)
+        # the KV events routers read (None: not published)
+        self.events = BlockEvents(kv_event_block_size) if kv_event_block_size else None
         self.pool = Pool(size=shape.size, page_size=shape.page_size, max_reqs=shape.max_reqs,
                          max_context_len=shape.max_context_len,
-                         policy=make_policy(policy, grow_chunk), req_to_token=self.table.req_to_token)
+                         policy=make_policy(policy, grow_chunk), req_to_token=self.table.req_to_token,
+                         listener=self.events)
         self.metrics = MemsvcMetrics()
         self.metrics.info.info({"version": __version__, "policy": policy, "device": device,
                                 "page_size": str(shape.page_size), "slots": str(shape.size)})

@@ -89,6 +89,28 @@ def test_health_models_version(api: Frontend, fakes: list[FakeRunner]) -> None:
     assert httpx.get(api.url + "/version").json() == {"version": __version__}
 
 
+def test_router_discovery_endpoints(api: Frontend, tmp_path: Path) -> None:
+    """What vllm-router's kv_aware discovery reads: the model, this incarnation and the block
+    size; the KV-event sockets keyed by rank, none when memsvc does not publish."""
+    from kvserve import __version__
+    info = httpx.get(api.url + "/get_server_info").json()
+    assert info == {"model_id": NAME, "model_path": "bytes", "instance_id": info["instance_id"],
+                    "kv_block_size": 16, "block_size": 16, "max_model_len": 4096, "version": __version__}
+    assert info["instance_id"].startswith(NAME + "-") and len(info["instance_id"]) > len(NAME) + 8
+    assert httpx.get(api.url + "/kv_event_sources").json() == {}
+    live, replay = "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558"
+    fe = start_frontend(tmp_path / "rt", "--kv-events-endpoint", live, "--kv-events-replay-endpoint", replay,
+                        "--kv-event-block-size", "32", http=True)
+    try:
+        assert httpx.get(fe.url + "/kv_event_sources").json() == {"0": {
+            "endpoint": live, "replay_endpoint": replay, "topic": "", "publisher": "zmq", "encoding": "msgpack",
+            "schema_version": 1, "enable_kv_cache_events": True, "block_size": 32}}
+        other = httpx.get(fe.url + "/get_server_info").json()
+        assert other["kv_block_size"] == 32 and other["instance_id"] != info["instance_id"]
+    finally:
+        assert stop_frontend(fe) == 0
+
+
 def test_completion_whole_and_streamed(api: Frontend, fakes: list[FakeRunner]) -> None:
     _live(api, fakes)
     client = _sdk(api)
