@@ -9,7 +9,9 @@ alternating order, at --concurrency streams with the same workload shape (random
 --prompt-len token ids, --output-len new tokens forced with ignore_eos). Every run has a
 seed of its own, so no run hits the prefix cache of another. Prints each run, the output
 tokens/s of each face over all its runs, the ratio HTTP/gRPC (the goal: >= 0.95), and the
-CPU's flags.
+CPU's flags. Beside each face: the CPU time per output token spent by the frontend, the
+runner and the benchmark client (all share this machine's cores), from /proc and
+getrusage, which shows where a face's extra cost lies.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -28,6 +31,17 @@ from kvserve.tools.servectl import start_serve, stop_serve
 from kvserve.v1 import generator_pb2 as pb
 
 GOAL = 0.95
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _client_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _bench(api_args: list[str], out: Path, seed: int, args: argparse.Namespace, requests: int) -> dict:
@@ -50,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write every run's summary here")
     args = p.parse_args(argv)
     totals = {"grpc": [0, 0.0], "openai": [0, 0.0]}  # output tokens, seconds
+    cpu = {api: {"frontend": 0.0, "runner": 0.0, "client": 0.0} for api in totals}  # CPU seconds
     runs = []
     with tempfile.TemporaryDirectory(prefix="kvs-http-") as tmp:
         svc = start_serve(Path(tmp) / "run", None, dtype=None, device=None, http=True)
@@ -60,12 +75,18 @@ def main(argv: list[str] | None = None) -> int:
             vocab = str(svc.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30).vocab_size)
             faces = {api: [*a, "--vocab-size", vocab] for api, a in faces.items()}
             _bench(faces["grpc"], Path(tmp) / "warm.json", 999, args, max(8, args.concurrency))
+            pids = svc.pids()
             seed = 1000
             for r in range(args.rounds):
                 order = ("grpc", "openai") if r % 2 == 0 else ("openai", "grpc")
                 for api in order:
                     seed += 1
+                    before = {"frontend": _cpu_s(pids["frontend"]), "runner": _cpu_s(pids["runner"]),
+                              "client": _client_cpu_s()}
                     res = _bench(faces[api], Path(tmp) / f"{api}-{r}.json", seed, args, args.requests)
+                    cpu[api]["frontend"] += _cpu_s(pids["frontend"]) - before["frontend"]
+                    cpu[api]["runner"] += _cpu_s(pids["runner"]) - before["runner"]
+                    cpu[api]["client"] += _client_cpu_s() - before["client"]
                     s = res["summary"]
                     tokens = sum(rec["output_tokens"] for rec in res["records"])
                     totals[api][0] += tokens
@@ -78,12 +99,16 @@ def main(argv: list[str] | None = None) -> int:
             rc = stop_serve(svc)
     rate = {api: t / s if s else 0.0 for api, (t, s) in totals.items()}
     ratio = rate["openai"] / rate["grpc"] if rate["grpc"] else 0.0
+    per_token = {api: {who: 1000 * sec / totals[api][0] if totals[api][0] else 0.0 for who, sec in parts.items()}
+                 for api, parts in cpu.items()}
+    for api, parts in per_token.items():
+        print(f"{api:>6} CPU ms per output token: " + ", ".join(f"{who} {ms:.2f}" for who, ms in parts.items()))
     print(f"concurrency={args.concurrency} prompt={args.prompt_len} output={args.output_len} "
           f"runs={args.rounds} per face: gRPC {rate['grpc']:.1f} tok/s, HTTP {rate['openai']:.1f} tok/s, "
           f"HTTP/gRPC = {ratio:.3f} (goal >= {GOAL})  cpu flags: {cpu_flags()}  serve rc={rc}  "
           f"threads={os.cpu_count()}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"runs": runs, "rate": rate, "ratio": ratio}, indent=1))
+        Path(args.json).write_text(json.dumps({"runs": runs, "rate": rate, "ratio": ratio, "cpu_ms_per_token": per_token}, indent=1))
     ok = all(run["ok"] == run["requests"] for run in runs)
     return 0 if ok and rc == 0 else 1
 

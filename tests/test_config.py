@@ -175,15 +175,22 @@ def test_one_address_check_names_the_field(cfg_kw: dict, cls: type, flag: str) -
      "^--kv-events-endpoint: 'tcp://\\*:5557' needs a concrete host"),
     ({"kv_events_endpoint": "tcp://127.0.0.1:5557", "kv_events_replay_endpoint": "tcp://10.0.0.2:5558"},
      "^--kv-events-replay-endpoint: 10.0.0.2 is not a loopback address"),
+    ({"kv_events_endpoint": "tcp://10.0.0.2:5557", "kv_events_replay_endpoint": "tcp://10.0.0.2:5558",
+      "allow_remote": True},
+     "^--kv-events-endpoint: tcp://10.0.0.2:5557 is not loopback and KV events carry prompt token ids: give "
+     "--curve-secret-key-file"),
     ({"kv_event_block_size": 0}, "^--kv-event-block-size: must be >= 1, got 0"),
     ({"kv_event_block_size": 12, "page_size": 8}, "^--kv-event-block-size 12: must be a multiple of --page-size 8"),
 ])
 def test_kv_event_settings_are_checked(kw: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         MemsvcConfig(**kw)
-    cfg = MemsvcConfig(kv_events_endpoint="tcp://10.0.0.2:5557", kv_events_replay_endpoint="tcp://10.0.0.2:5558",
-                       allow_remote=True, kv_event_block_size=32, page_size=16)
+    remote = {"kv_events_endpoint": "tcp://10.0.0.2:5557", "kv_events_replay_endpoint": "tcp://10.0.0.2:5558",
+              "allow_remote": True}
+    cfg = MemsvcConfig(**remote, kv_events_plaintext=True, kv_event_block_size=32, page_size=16)
     assert cfg.kv_event_block_size == 32
+    # with memsvc's CURVE keys the events go over CURVE (the files are read at start, not here)
+    assert MemsvcConfig(**remote, curve_secret_key_file="k", curve_public_keys_dir="d").kv_events_endpoint
 
 
 def test_devices_one_dtype_list_and_auto() -> None:

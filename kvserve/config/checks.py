@@ -41,6 +41,15 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def tcp_host(address: str) -> str:
+    """The host of tcp://HOST:PORT (brackets of an IPv6 literal removed)."""
+    return address[len("tcp://"):].rpartition(":")[0].strip("[]")
+
+
+def is_loopback_tcp(address: str) -> bool:
+    return address.startswith("tcp://") and is_loopback(tcp_host(address))
+
+
 def check_address(address: str, *, name: str, allow_remote: bool) -> None:
     """Accept ipc://PATH and tcp://HOST:PORT; tcp only on loopback unless `allow_remote`
     (the ZMQ links have no authentication). `name` is the field, for the message."""
@@ -51,8 +60,7 @@ def check_address(address: str, *, name: str, allow_remote: bool) -> None:
         return
     if not address.startswith("tcp://"):
         raise ConfigError(f"{flag}: {address!r} must start with ipc:// or tcp://")
-    host, _, port = address[len("tcp://"):].rpartition(":")
-    host = host.strip("[]")
+    host, port = tcp_host(address), address.rpartition(":")[2]
     if not port.isdigit() or not host:
         raise ConfigError(f"{flag}: {address!r} is not tcp://HOST:PORT")
     if not allow_remote and not is_loopback(host):
@@ -74,8 +82,7 @@ def check_kv_events(live: str, replay: str, block_size: int, *, allow_remote: bo
     for name, address in (("kv_events_endpoint", live), ("kv_events_replay_endpoint", replay)):
         if not address.startswith("tcp://"):
             raise ConfigError(f"{flag_name(name)}: {address!r} must be tcp://HOST:PORT (routers connect over TCP)")
-        host = address[len("tcp://"):].rpartition(":")[0].strip("[]")
-        if host in ("*", "0.0.0.0", "::"):
+        if tcp_host(address) in ("*", "0.0.0.0", "::"):
             raise ConfigError(f"{flag_name(name)}: {address!r} needs a concrete host (routers refuse * and "
                               "0.0.0.0)")
         check_address(address, name=name, allow_remote=allow_remote)

@@ -220,9 +220,15 @@ def apply_server(sock: zmq.Socket, ctx: zmq.Context, keys: ServerKeys, *, name: 
     """Make `sock` (before bind) a CURVE server that admits only `keys.allowed`; starts the
     context's ZAP handler. Call once per context."""
     handler = ZapHandler(ctx, keys.allowed, name=name).start()
+    secure_server(sock, keys, name=name)
+    return handler
+
+
+def secure_server(sock: zmq.Socket, keys: ServerKeys, *, name: str) -> None:
+    """Make one more `sock` of a context that `apply_server` set up (before bind) a CURVE
+    server under the same ZAP handler (`name`)."""
     sock.curve_server = True
     sock.curve_secretkey = keys.secret
     sock.curve_publickey = keys.public
     sock.zap_domain = name.encode()
     sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # no handler answering: no connection
-    return handler

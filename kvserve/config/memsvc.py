@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvserve.config import ConfigError, option, parse_size
+from kvserve.config import ConfigError, flag_name, option, parse_size
 from kvserve.config.checks import (
     check_address,
     check_at_least,
     check_kv_events,
     check_port,
     check_positive,
+    is_loopback_tcp,
 )
 from kvserve.config.devices import check_device, check_dtype
 
@@ -72,6 +73,9 @@ class MemsvcConfig:
                                                      "buffered KV-cache events (with --kv-events-endpoint)")
     kv_event_block_size: int = option(16, help="tokens per block in the KV-cache events (the router's "
                                                "--kv-event-block-size)")
+    kv_events_plaintext: bool = option(False, help="publish KV-cache events on a non-loopback endpoint without "
+                                                   "CURVE (vllm-router 0.1.17 has no CURVE client); they carry "
+                                                   "prompt token ids: fence their ports to the router")
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype)
@@ -96,6 +100,15 @@ class MemsvcConfig:
             check_address(self.address, name="address", allow_remote=self.allow_remote)
         check_kv_events(self.kv_events_endpoint, self.kv_events_replay_endpoint, self.kv_event_block_size,
                         allow_remote=self.allow_remote)
+        if self.kv_events_endpoint and not self.kv_events_plaintext and not self.curve_secret_key_file:
+            for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+                address = getattr(self, name)
+                if not is_loopback_tcp(address):
+                    raise ConfigError(
+                        f"{flag_name(name)}: {address} is not loopback and KV events carry prompt token "
+                        "ids: give --curve-secret-key-file and --curve-public-keys-dir (events over CURVE), "
+                        "or --kv-events-plaintext with the ports fenced to the router (vllm-router 0.1.17 "
+                        "has no CURVE client)")
         if self.kv_event_block_size % self.page_size:
             # the cache matches whole pages: a block inside a page could be announced twice
             raise ConfigError(f"--kv-event-block-size {self.kv_event_block_size}: must be a multiple of "

@@ -28,6 +28,7 @@ from collections import deque
 import numpy as np
 import zmq
 
+from kvserve.config.curve import ServerKeys, secure_server
 from kvserve.messages.kv_events import (
     MAX_EVENTS_PER_BATCH,
     AllBlocksCleared,
@@ -103,7 +104,9 @@ class EventPublisher:
     """The PUB socket for live event messages and the ROUTER that replays them."""
 
     def __init__(self, ctx: zmq.Context, endpoint: str, replay_endpoint: str, *, topic: bytes = b"",
-                 ring: int = REPLAY_RING) -> None:
+                 ring: int = REPLAY_RING, curve: ServerKeys | None = None) -> None:
+        """`curve`: both sockets are CURVE servers under the context's ZAP handler (memsvc's,
+        started by `apply_server` under the name "memsvc")."""
         self.topic = topic
         self.seq = 0
         self.sent = 0
@@ -115,7 +118,10 @@ class EventPublisher:
         self.pub.setsockopt(zmq.SNDHWM, PUB_HWM)
         self.replay = ctx.socket(zmq.ROUTER)
         self.replay.setsockopt(zmq.LINGER, 0)
-        self.replay.setsockopt(zmq.MAXMSGSIZE, 64)  # a replay request is 8 bytes
+        self.replay.setsockopt(zmq.MAXMSGSIZE, 1024)  # a replay request is 8 bytes (CURVE handshakes more)
+        if curve is not None:
+            for sock in (self.pub, self.replay):
+                secure_server(sock, curve, name="memsvc")
         try:
             bind_private(self.pub, endpoint)
             bind_private(self.replay, replay_endpoint)

@@ -23,6 +23,7 @@ import zmq
 
 from kvserve import sdnotify
 from kvserve.config import ConfigError, config_from_args, process_parser
+from kvserve.config.checks import is_loopback_tcp
 from kvserve.config.curve import ServerKeys, apply_server, require_curve, server_keys
 from kvserve.config.devices import resolve_device, resolve_dtype
 from kvserve.config.memsvc import MemsvcConfig
@@ -64,7 +65,8 @@ class MemsvcServer:
     """One bound ROUTER socket serving one `MemsvcService` until `stop()`."""
 
     def __init__(self, service: MemsvcService, address: str, *, integrity_interval_s: float = 1.0,
-                 curve: ServerKeys | None = None, events: tuple[str, str] | None = None) -> None:
+                 curve: ServerKeys | None = None, events: tuple[str, str] | None = None,
+                 events_curve: bool = False) -> None:
         self.service = service
         self.address = address
         self.integrity_interval_s = integrity_interval_s
@@ -80,7 +82,7 @@ class MemsvcServer:
         self.publisher: EventPublisher | None = None
         if events is not None:  # KV-cache events for routers: (live endpoint, replay endpoint)
             try:
-                self.publisher = EventPublisher(self.ctx, *events)
+                self.publisher = EventPublisher(self.ctx, *events, curve=curve if events_curve else None)
             except zmq.ZMQError:
                 self.sock.close(0)
                 self.ctx.term()
@@ -190,8 +192,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         events = (cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint) if cfg.kv_events_endpoint else None
+        # CURVE on the event sockets when not loopback (the config refused that without keys
+        # unless --kv-events-plaintext)
+        remote = events is not None and not all(map(is_loopback_tcp, events))
         server = MemsvcServer(service, address, integrity_interval_s=cfg.integrity_interval_s, curve=curve,
-                              events=events)
+                              events=events, events_curve=remote and not cfg.kv_events_plaintext)
     except (zmq.ZMQError, OSError) as exc:
         service.close()
         where = address if events is None else f"{address}, {events[0]} or {events[1]}"

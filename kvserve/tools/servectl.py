@@ -112,6 +112,7 @@ class Service:
     health: health_pb2_grpc.HealthStub
     shm_before: set[str] = field(default_factory=set)
     http_port: int = 0  # the OpenAI HTTP face (0 = off)
+    kv_events: tuple[str, str] | None = None  # memsvc's KV-event (PUB, replay) endpoints, if published
 
     @property
     def url(self) -> str:
@@ -193,14 +194,20 @@ class LeftBehind(RuntimeError):
 
 def start_serve(runtime: Path, model: Path | None, *extra: str, ready_s: float = 150.0,
                 dtype: str | None = "float32", device: str | None = "cpu",
-                log: Path | None = None, http: bool = False) -> Service:
+                log: Path | None = None, http: bool = False, kv_events: bool = False) -> Service:
     """Start `kvserve serve` on `model` (None = the embedded default) and wait until it serves.
     `dtype`/`device` None: serve's own default. `log`: a file that gets serve's stderr, which
     its children inherit (all their logs); None: this process's stderr. `http`: the OpenAI
-    HTTP face on a free port (else off)."""
+    HTTP face on a free port (else off). `kv_events`: memsvc publishes KV-cache events on two
+    free loopback ports (add `--kv-event-block-size` to `extra` for another block size)."""
     runtime.mkdir(mode=0o700, parents=True, exist_ok=True)
     port, metrics = free_block(1), free_block(5)
     http_port = free_block(1) if http else 0
+    events = None
+    if kv_events:
+        ev = free_block(2)
+        events = (f"tcp://127.0.0.1:{ev}", f"tcp://127.0.0.1:{ev + 1}")
+        extra = ("--kv-events-endpoint", events[0], "--kv-events-replay-endpoint", events[1], *extra)
     env = dict(os.environ, KVSERVE_RUNTIME_DIR=str(runtime))
     env.pop("NOTIFY_SOCKET", None)
     shm_before = set(os.listdir("/dev/shm"))
@@ -223,7 +230,7 @@ def start_serve(runtime: Path, model: Path | None, *extra: str, ready_s: float =
     threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # keep the pipe drained
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     return Service(proc, port, metrics, runtime, channel, pb_grpc.GeneratorStub(channel),
-                   health_pb2_grpc.HealthStub(channel), shm_before, http_port)
+                   health_pb2_grpc.HealthStub(channel), shm_before, http_port, events)
 
 
 def stop_serve(svc: Service, timeout: float = 60.0) -> int:

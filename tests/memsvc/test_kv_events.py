@@ -6,6 +6,7 @@ contiguous sequence numbers and replays them on request."""
 from __future__ import annotations
 
 import hashlib
+import shutil
 import struct
 import time
 from pathlib import Path
@@ -17,8 +18,9 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvserve.config.curve import apply_client, apply_server, client_keys, server_keys
 from kvserve.memsvc.client import Admit, MemClient, Release
-from kvserve.memsvc.kv_events import BlockEvents
+from kvserve.memsvc.kv_events import BlockEvents, EventPublisher
 from kvserve.memsvc.radix import RadixCache
 from kvserve.messages.kv_events import (
     AllBlocksCleared,
@@ -27,6 +29,7 @@ from kvserve.messages.kv_events import (
     decode_batch,
     encode_batch,
 )
+from kvserve.tools.keygen import keygen
 
 from .conftest import free_port
 
@@ -235,3 +238,54 @@ def test_memsvc_publishes_and_replays(run_dir: Path, memsvc_factory) -> None:
         assert svc.stop() == 0
     sub.close()
     ctx.term()
+
+
+def test_events_over_curve_reach_only_listed_keys(tmp_path: Path) -> None:
+    """Off loopback, memsvc's event sockets are CURVE servers under its ZAP handler: a listed
+    key gets the replay, an unlisted key and a plain client get nothing."""
+    keydir = tmp_path / "keys"
+    for name in ("memsvc", "router", "stranger"):
+        keygen(keydir, name)
+    allowed = tmp_path / "allowed"
+    allowed.mkdir(mode=0o755)
+    shutil.copy(keydir / "router.key", allowed / "router.key")
+    keys = server_keys(str(keydir / "memsvc.key_secret"), str(allowed), secret_field="curve_secret_key_file",
+                       dir_field="curve_public_keys_dir")
+    ctx = zmq.Context()
+    anchor = ctx.socket(zmq.ROUTER)  # memsvc's own socket: starts the context's ZAP handler
+    anchor.linger = 0
+    apply_server(anchor, ctx, keys, name="memsvc")
+    anchor.bind(f"tcp://127.0.0.1:{free_port()}")
+    live, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    publisher = EventPublisher(ctx, live, replay, curve=keys)
+    publisher.publish([AllBlocksCleared()])
+
+    def ask(name: str | None) -> list[bytes] | None:
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.linger = 0
+        if name is not None:
+            apply_client(dealer, client_keys(str(keydir / f"{name}.key_secret"), str(keydir / "memsvc.key"),
+                                             secret_field="curve_secret_key_file",
+                                             server_field="memsvc_public_key_file"))
+        dealer.connect(replay)
+        dealer.send_multipart([b"", struct.pack(">Q", 0)])
+        try:
+            end = time.monotonic() + 2.0
+            while time.monotonic() < end:
+                publisher.serve_replays()
+                if dealer.poll(50):
+                    return dealer.recv_multipart()
+            return None
+        finally:
+            dealer.close(0)
+
+    try:
+        first = ask("router")
+        assert first is not None and first[:3] == [b"", b"", struct.pack(">q", 0)]
+        assert decode_batch(first[3])[1] == [AllBlocksCleared()]
+        assert ask("stranger") is None
+        assert ask(None) is None
+    finally:
+        publisher.close()
+        anchor.close(0)
+        ctx.term()
