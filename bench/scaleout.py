@@ -11,8 +11,9 @@ a fresh set of --prefixes long shared prefixes (--prefix-words random words) ask
 fraction (usage.prompt_tokens_details.cached_tokens over prompt_tokens), TTFT p50 / p99,
 output tokens/s and the router's placement hits; then, at --event-streams streams with
 random prompts through kv_aware, the KV-event messages and blocks per second each memsvc
-published (its kvserve_memsvc_kv_event_* counters over the run's wall time). Prints the
-CPU's flags beside the figures.
+published (its kvserve_memsvc_kv_event_* counters over the run's wall time), and the
+router's resident memory growth per block announced (its index keeps every distinct block
+it has seen). Prints the CPU's flags beside the figures.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from e2e_throughput import cpu_flags
 from kvserve.tools import bench
 from kvserve.tools.bench_report import summarize
 from kvserve.tools.routerctl import POLICIES, prefix_prompts, start_router, stop_router
-from kvserve.tools.servectl import Service, start_serve, stop_serve
+from kvserve.tools.servectl import Service, rss_kib, start_serve, stop_serve
 from kvserve.v1 import generator_pb2 as pb
 
 MODEL = "kvserve-node"
@@ -42,9 +43,11 @@ def _drive(url: str, args: argparse.Namespace, extra: list[str]) -> dict:
     return summarize(records, wall, None)
 
 
-def _event_counters(node: Service) -> tuple[float, float]:
+def _event_counters(node: Service) -> tuple[float, float, float]:
+    """(messages sent, blocks announced, blocks stored) so far."""
     return (node.metric(1, 'kvserve_memsvc_kv_event_messages_total{outcome="sent"}'),
-            node.metric(1, "kvserve_memsvc_kv_event_blocks_total"))
+            node.metric(1, "kvserve_memsvc_kv_event_blocks_total"),
+            node.metric(1, 'kvserve_memsvc_kv_event_blocks_total{type="BlockStored"}'))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,10 +94,12 @@ def main(argv: list[str] | None = None) -> int:
                 router = start_router(nodes, "kv_aware", model=MODEL, log=base / "router-events.log")
                 try:
                     before = [_event_counters(node) for node in nodes]
+                    rss0 = rss_kib(router.proc.pid)
                     s = _drive(router.url, args, ["--concurrency", str(args.event_streams), "--num-requests",
                                                   str(2 * args.event_streams), "--prompt-len", "128", "--vocab-size", str(vocab),
                                                   "--output-len", "64", "--seed", "7"])
                     after = [_event_counters(node) for node in nodes]
+                    rss1 = rss_kib(router.proc.pid)
                 finally:
                     stop_router(router)
                 for name, b, a in zip("ab", before, after, strict=True):
@@ -103,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"events node {name} at {args.event_streams} streams: {rate['messages_per_s']:.1f} "
                           f"messages/s, {rate['blocks_per_s']:.1f} blocks/s "
                           f"({s['output_tokens_per_s']:.1f} output tok/s through the router)", flush=True)
+                blocks = sum(a[2] - b[2] for a, b in zip(after, before, strict=True))
+                out["router_rss_growth_bytes_per_block"] = (rss1 - rss0) * 1024 / blocks if blocks else None
+                print(f"router RSS {rss0 / 1024:.1f} -> {rss1 / 1024:.1f} MiB over {blocks:.0f} blocks stored"
+                      f": {(rss1 - rss0) * 1024 / max(blocks, 1):.0f} B per block", flush=True)
         finally:
             for node in nodes:
                 stop_serve(node)

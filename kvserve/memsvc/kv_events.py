@@ -50,7 +50,11 @@ _START = struct.Struct(">Q")
 
 
 class BlockEvents:
-    """A `radix.CacheListener` that queues KV events; `take()` hands them over."""
+    """A `radix.CacheListener` that queues KV events; `take()` hands them over.
+
+    The listener calls only copy the changed tokens; hashing and building the events wait
+    for `take()`, which memsvc calls after it has answered the frames at hand, so that no
+    reply waits on them."""
 
     def __init__(self, block_size: int) -> None:
         """`block_size` must be a multiple of the cache's page size: the cache matches whole pages,
@@ -58,7 +62,8 @@ class BlockEvents:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
-        self._pending: list[KVEvent] = [AllBlocksCleared()]
+        self._cleared = True  # memsvc starts empty: AllBlocksCleared comes first
+        self._pending: list[tuple[bool, np.ndarray, int]] = []  # (stored?, ids up to the last block, first)
         self.stored_blocks = 0
         self.removed_blocks = 0
 
@@ -73,30 +78,33 @@ class BlockEvents:
             out.append(h.digest())
         return parent, out
 
-    def stored(self, tokens: np.ndarray, old_len: int) -> None:
+    def _queue(self, stored: bool, tokens: np.ndarray, start: int) -> None:
         b = self.block_size
-        first, last = old_len // b, len(tokens) // b
-        if last <= first:
-            return
-        ids = np.asarray(tokens[: last * b], dtype="<u4")
-        parent, hashes = self._hashes(ids, first, last)
-        self._pending.append(BlockStored(block_hashes=hashes, parent_block_hash=parent,
-                                         token_ids=ids[first * b:].tolist(), block_size=b))
-        self.stored_blocks += len(hashes)
+        first, last = start // b, len(tokens) // b  # only complete blocks are announced
+        if last > first:
+            self._pending.append((stored, np.array(tokens[: last * b], dtype="<u4"), first))
+
+    def stored(self, tokens: np.ndarray, old_len: int) -> None:
+        self._queue(True, tokens, old_len)
 
     def removed(self, tokens: np.ndarray, start: int) -> None:
-        b = self.block_size
-        first, last = start // b, len(tokens) // b  # only complete blocks were ever announced
-        if last <= first:
-            return
-        ids = np.asarray(tokens[: last * b], dtype="<u4")
-        _, hashes = self._hashes(ids, first, last)
-        self._pending.append(BlockRemoved(block_hashes=hashes))
-        self.removed_blocks += len(hashes)
+        self._queue(False, tokens, start)
 
     def take(self) -> list[KVEvent]:
         """The events queued since the last call, oldest first."""
-        out, self._pending = self._pending, []
+        out: list[KVEvent] = [AllBlocksCleared()] if self._cleared else []
+        self._cleared = False
+        pending, self._pending = self._pending, []
+        b = self.block_size
+        for stored, ids, first in pending:
+            parent, hashes = self._hashes(ids, first, len(ids) // b)
+            if stored:
+                out.append(BlockStored(block_hashes=hashes, parent_block_hash=parent,
+                                       token_ids=ids[first * b:].tolist(), block_size=b))
+                self.stored_blocks += len(hashes)
+            else:
+                out.append(BlockRemoved(block_hashes=hashes))
+                self.removed_blocks += len(hashes)
         return out
 
 
