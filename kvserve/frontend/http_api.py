@@ -253,9 +253,10 @@ class OpenAIFace:
     async def server_info(self) -> dict:
         """What a router's KV-aware discovery reads: the model identity, this incarnation, the
         block size of the KV events."""
+        # kv_block_size only: vllm-router reads "block_size" as its alias and refuses both at once
         return {"model_id": self.model, "model_path": self.tok.name, "instance_id": self.instance_id,
-                "kv_block_size": self.cfg.kv_event_block_size, "block_size": self.cfg.kv_event_block_size,
-                "max_model_len": self.path.context_len(), "version": __version__}
+                "kv_block_size": self.cfg.kv_event_block_size, "max_model_len": self.path.context_len(),
+                "version": __version__}
 
     async def kv_event_sources(self) -> dict:
         """memsvc's KV-event sockets, keyed by data-parallel rank ({} when not published)."""

@@ -63,10 +63,13 @@ class Router:
 
 
 def start_router(nodes: list[Service], policy: str, *, model: str, block_size: int = 16,
-                 log: Path | None = None, ready_s: float = 60.0) -> Router:
+                 discover: bool = False, log: Path | None = None, ready_s: float = 60.0) -> Router:
     """Start vllm-router in front of `nodes` (their OpenAI HTTP faces) and wait until it
     answers GET /readiness. Health is checked every second and one failure marks a node
-    down, so that a dead node is skipped within seconds (the router's defaults take ~3 min)."""
+    down, so that a dead node is skipped within seconds (the router's defaults take ~3 min).
+    kv_aware: the nodes' event sockets are given as static sources, or with `discover` the
+    router finds them itself (GET /get_server_info and /kv_event_sources, as under
+    Kubernetes service discovery)."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     port, metrics = free_block(1), free_block(1)
@@ -77,7 +80,7 @@ def start_router(nodes: list[Service], policy: str, *, model: str, block_size: i
             "--worker-startup-check-interval", "1", "--health-check-interval-secs", "1",
             "--health-check-timeout-secs", "2", "--health-failure-threshold", "1",
             "--health-success-threshold", "1", "--log-level", "warning"]
-    if policy == "kv_aware":
+    if policy == "kv_aware" and not discover:
         for node, url in zip(nodes, urls, strict=True):
             if node.kv_events is None:
                 raise ValueError(f"{url}: started without KV events (start_serve(kv_events=True))")

@@ -95,7 +95,7 @@ def test_router_discovery_endpoints(api: Frontend, tmp_path: Path) -> None:
     from kvserve import __version__
     info = httpx.get(api.url + "/get_server_info").json()
     assert info == {"model_id": NAME, "model_path": "bytes", "instance_id": info["instance_id"],
-                    "kv_block_size": 16, "block_size": 16, "max_model_len": 4096, "version": __version__}
+                    "kv_block_size": 16, "max_model_len": 4096, "version": __version__}
     assert info["instance_id"].startswith(NAME + "-") and len(info["instance_id"]) > len(NAME) + 8
     assert httpx.get(api.url + "/kv_event_sources").json() == {}
     live, replay = "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558"

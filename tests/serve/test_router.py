@@ -1,6 +1,7 @@
 """Two real `kvserve serve` nodes behind the real vllm-router (issue 17): with `kv_aware`
-the router reads both memsvcs' KV-cache events and sends each request to the node that
-holds its prefix; with `round_robin` (same nodes, a fresh set of prefixes) it does not.
+the router reads both memsvcs' KV-cache events (from static sources, and again with a new
+router that discovers them) and sends each request to the node that holds its prefix;
+with `round_robin` (same nodes, a fresh set of prefixes per phase) it does not.
 The pools are sized so that one node cannot hold every prefix but two can. Then one node
 is killed (kill -9 of serve and all its children) and the router must keep answering.
 
@@ -56,39 +57,45 @@ def _run(router: Router, prompts: Path, n: int) -> tuple[list[bench.Record], dic
     return records, summarize(records, wall, None)
 
 
+PHASES = (("round_robin", False), ("kv_aware", False), ("kv_aware", True))  # (policy, discover)
+
+
 def test_kv_aware_routing_follows_the_cache_and_survives_a_dead_node(nodes: list[Service], tmp_path: Path) -> None:
     n = N_PREFIXES * QUESTIONS
     sizes: list[int] = []  # prompt tokens: the sizing this test relies on is checked on them
     fractions = {}
-    for seed, policy in enumerate(("round_robin", "kv_aware")):
-        prompts = tmp_path / f"{policy}.jsonl"
+    router = None
+    for seed, (policy, discover) in enumerate(PHASES):
+        name = policy + (" (discovered)" if discover else "")
+        prompts = tmp_path / f"{seed}.jsonl"
         prefix_prompts(prompts, n_prefixes=N_PREFIXES, questions=QUESTIONS, prefix_words=PREFIX_WORDS,
-                       max_new_tokens=4, seed=seed)  # a fresh set of prefixes per policy
-        router = start_router(nodes, policy, model=MODEL, log=tmp_path / f"router-{policy}.log")
-        try:
-            records, summary = _run(router, prompts, n)
-            assert summary["ok"] == n, summary["errors"]
-            sizes += [r.prompt_tokens for r in records]
-            fractions[policy] = summary["prefix_hit_rate_usage"]
-            if policy == "kv_aware":
-                hits = router.metric("vllm_router_kv_placement_lookups_total", result="hit")
-                # every request after a prefix's first is a placement hit when events flow
-                print(f"kv_aware placement hits: {hits:.0f} of {n} requests")
-                assert hits >= N_PREFIXES * (QUESTIONS - 1) * 0.8, hits
-        finally:
-            if policy != "kv_aware":
-                stop_router(router)
-    # the premise: no node can hold all 8 prefixes, two can
-    # (a question is < 20 tokens of a prompt)
+                       max_new_tokens=4, seed=seed)  # a fresh set of prefixes per phase
+        if router is not None:
+            stop_router(router)
+        # kv_aware reads the events from static sources, or finds them through GET
+        # /get_server_info and /kv_event_sources (the Kubernetes manifests' way)
+        router = start_router(nodes, policy, model=MODEL, discover=discover, log=tmp_path / f"router-{seed}.log")
+        records, summary = _run(router, prompts, n)
+        assert summary["ok"] == n, summary["errors"]
+        sizes += [r.prompt_tokens for r in records]
+        fractions[name] = summary["prefix_hit_rate_usage"]
+        if policy == "kv_aware":
+            hits = router.metric("vllm_router_kv_placement_lookups_total", result="hit")
+            print(f"{name} placement hits: {hits:.0f} of {n} requests")
+            # every request after a prefix's first is a placement hit when events flow
+            assert hits >= N_PREFIXES * (QUESTIONS - 1) * 0.8, (name, hits)
+    assert router is not None
+    # the premise: no node can hold all 8 prefixes, two can (a question is < 20 tokens of a prompt)
     assert N_PREFIXES * (min(sizes) - 20) > POOL_TOKENS and 2 * POOL_TOKENS > N_PREFIXES * max(sizes)
     assert min(sizes) - 20 >= 256
     print(f"cached-token fractions: {fractions} (prompts of {min(sizes)}-{max(sizes)} tokens, pools of {POOL_TOKENS})")
-    assert fractions["kv_aware"] >= 0.7, fractions
-    assert fractions["kv_aware"] >= fractions["round_robin"] + 0.15, fractions
+    for name in ("kv_aware", "kv_aware (discovered)"):
+        assert fractions[name] >= 0.7, fractions
+        assert fractions[name] >= fractions["round_robin"] + 0.15, fractions
 
     # a node dies: every request through the router goes on succeeding, from within 15 s
     try:
-        prompts = (tmp_path / "kv_aware.jsonl").read_text().splitlines()
+        prompts = (tmp_path / "2.jsonl").read_text().splitlines()
         kill_node(nodes[0])
         killed = time.monotonic()
         answers = []
@@ -97,7 +104,7 @@ def test_kv_aware_routing_follows_the_cache_and_survives_a_dead_node(nodes: list
                 body = json.loads(prompts[i])
                 resp = client.post(f"{router.url}/v1/completions",
                                    json={"model": MODEL, "prompt": body["prompt"], "max_tokens": 4})
-                answers.append((time.monotonic() - killed, resp.status_code))
+                answers.append((round(time.monotonic() - killed, 2), resp.status_code))
         print(f"after kill -9 of a node: (seconds since the kill, status) {answers}")
         assert answers[0][0] <= 15.0, answers
         assert all(code == 200 for _, code in answers), answers
