@@ -16,6 +16,10 @@ from kvserve.config.devices import check_device, check_dtype
 BACKENDS = ("auto", "torch", "triton")
 
 
+# the modes kvserve.model.quant implements (a test keeps the two in step)
+QUANTIZATIONS = ("none", "int8", "int4")
+
+
 @dataclass(frozen=True, slots=True)
 class RunnerConfig:
     """Configuration of one runner worker."""
@@ -42,6 +46,9 @@ class RunnerConfig:
     metrics_port: int = option(9402, help="Prometheus metrics port (0 = off)")
     attention_backend: str = option("auto", help="attention backend: torch, triton or auto "
                                                  "(triton on cuda)")
+    quantization: str = option("none", help="weight-only quantization of the projections on CPU: none, "
+                                            "int8 (per row) or int4 (groups of 32, the grid of a Q4_1 "
+                                            "file); the output head is int8 unless none")
     max_running: int = option(256, help="most requests running at once")
     max_batch_tokens: int = option(2048, help="token budget of one scheduler step "
                                               "(prefill chunks + decodes)")
@@ -58,6 +65,10 @@ class RunnerConfig:
         if self.attention_backend not in BACKENDS:
             raise ConfigError(f"--attention-backend: {self.attention_backend!r} is not one of "
                               f"{', '.join(BACKENDS)}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"--quantization: {self.quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
+        if self.quantization != "none" and self.device.startswith("cuda"):
+            raise ConfigError(f"--quantization {self.quantization}: runs on CPU only (--device {self.device})")
         check_at_least(self, 1, "max_running", "max_batch_tokens", "chunk_size")
         check_at_least(self, 0, "threads")
         check_port("metrics_port", self.metrics_port, allow_zero=True)

@@ -50,6 +50,7 @@ EXPOSED: dict[str, tuple[str, ...]] = {
     "model": ("runner", "memsvc", "frontend"),
     "device": ("runner", "memsvc"),
     "dtype": ("runner", "memsvc"),
+    "quantization": ("runner",),
     "host": ("frontend",),
     "port": ("frontend",),
     "http_port": ("frontend",),

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.model.config import ModelConfig
+from kvserve.model.quant import Int8Linear, Linear, quantize
 
 # attend(layer, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> o [T, Hq, D]
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -108,22 +109,34 @@ class DecoderLayer(nn.Module):
         self.gate_up_bias = _param(2 * cfg.intermediate_size, **kw) if cfg.mlp_bias else None
         self.down_weight = _param(cfg.hidden_size, cfg.intermediate_size, **kw)
         self.down_bias = _param(cfg.hidden_size, **kw) if cfg.mlp_bias else None
+        self.qkv = Linear(self.qkv_weight, self.qkv_bias)
+        self.o = Linear(self.o_weight, self.o_bias)
+        self.gate_up = Linear(self.gate_up_weight, self.gate_up_bias)
+        self.down = Linear(self.down_weight, self.down_bias)
+
+    def quantize(self, mode: str) -> None:
+        """Swap the four projections for `mode`'s (`kvserve.model.quant`); frees the float weights."""
+        for name in ("qkv", "o", "gate_up", "down"):
+            weight = getattr(self, f"{name}_weight")
+            setattr(self, name, quantize(mode, weight, getattr(self, f"{name}_bias")))
+            if mode != "none":
+                weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, attend: AttendFn
     ) -> torch.Tensor:
         cfg = self.cfg
         t = x.shape[0]
-        qkv = F.linear(self.input_norm(x), self.qkv_weight, self.qkv_bias)
+        qkv = self.qkv(self.input_norm(x))
         n_qk = cfg.num_heads + cfg.num_kv_heads
         qk = apply_rotary(qkv[:, : n_qk * cfg.head_dim].view(t, n_qk, cfg.head_dim), cos, sin)
         q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
         v = qkv[:, n_qk * cfg.head_dim :].view(t, cfg.num_kv_heads, cfg.head_dim)
         o = attend(layer, q, k, v)
-        h = x + F.linear(o.reshape(t, cfg.q_size), self.o_weight, self.o_bias)
-        gate_up = F.linear(self.post_norm(h), self.gate_up_weight, self.gate_up_bias)
+        h = x + self.o(o.reshape(t, cfg.q_size))
+        gate_up = self.gate_up(self.post_norm(h))
         gate, up = gate_up.split(cfg.intermediate_size, dim=-1)
-        return h + F.linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+        return h + self.down(F.silu(gate) * up)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -145,6 +158,19 @@ class LlamaForCausalLM(nn.Module):
         )
         self.rotary = Rotary(config, device=device)
         self.sm_scale = config.head_dim**-0.5
+        self.head = Linear(self.lm_head, None)
+        self.quantization = "none"
+
+    def quantize(self, mode: str) -> None:
+        """Weight-only quantization of the loaded model (`kvserve.model.quant`): the layers'
+        projections in `mode`, the output head int8 unless `mode` is "none"."""
+        for layer in self.layers:
+            layer.quantize(mode)
+        if mode != "none":
+            self.head = Int8Linear(self.lm_head, None)
+            if self.lm_head is not self.embed:
+                self.lm_head.data = torch.empty(0, dtype=self.dtype, device=self.device)
+        self.quantization = mode
 
     def weight_slots(self) -> dict[str, WeightSlot]:
         """Every tensor a HF-named checkpoint must supply, keyed by its HF name."""
@@ -197,7 +223,7 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, i, attend)
         x = self.norm(x.index_select(0, logits_indices))
-        return F.linear(x, self.lm_head).float()
+        return self.head(x).float()
 
     def forward(
         self,

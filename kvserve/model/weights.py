@@ -153,11 +153,14 @@ def load_weights(
 
 
 def load_model(
-    spec: str | None, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    spec: str | None, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+    quantization: str = "none",
 ) -> LoadedModel:
-    """Load weights and tokenizer of `spec` (None: the embedded default model)."""
+    """Load weights and tokenizer of `spec` (None: the embedded default model); `quantization`:
+    weight-only quantization of the projections on CPU (`kvserve.model.quant`)."""
     path = _resolve(spec)
     model = load_weights(path, dtype=dtype, device=device)
+    model.quantize(quantization)
     bundle = _tokenizer_bundle(path, model.config)
     return LoadedModel(
         model=model,

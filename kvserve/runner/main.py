@@ -121,7 +121,8 @@ class Worker:
         cfg = self.cfg
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        self.loaded = load_model(cfg.model or None, dtype=getattr(torch, self.dtype), device=self.device)
+        self.loaded = load_model(cfg.model or None, dtype=getattr(torch, self.dtype), device=self.device,
+                                 quantization=cfg.quantization)
         backend = get_backend(self.backend_name)
         self.metrics = RunnerMetrics()
         self._http = serve_metrics(self.metrics.registry, cfg.metrics_port)
@@ -142,7 +143,7 @@ class Worker:
         )
         self.metrics.set_info(
             model=self.loaded.name, device=self.device, dtype=self.dtype, backend=self.backend_name,
-            runner_id=cfg.runner_id, policy=self.mem.layout.policy,
+            runner_id=cfg.runner_id, policy=self.mem.layout.policy, quantization=cfg.quantization,
         )
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, cfg.runner_id.encode())

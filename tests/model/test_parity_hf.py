@@ -13,21 +13,14 @@ import torch
 from kvserve.kernels import get_backend
 from kvserve.model.files import resolve_model
 from kvserve.model.weights import LoadedModel, load_model
+from kvserve.tools.parity import PARITY_NEW_TOKENS, PARITY_PROMPTS
 
 from .tinymodel import PagedKV, greedy_generate
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    ",
-    "Once upon a time, in a small village by the sea,",
-    "List three uses of copper:\n1.",
-    "Explain why the sky is blue in one paragraph.",
-    "12 + 30 =",
-    "import numpy as np\n",
-]
-NEW_TOKENS = 32
+PROMPTS = PARITY_PROMPTS
+NEW_TOKENS = PARITY_NEW_TOKENS
 
 
 @pytest.fixture(scope="module")

@@ -53,14 +53,16 @@ def tiny_config(
     num_layers: int = 2,
     rope_scaling: dict[str, Any] | None = None,
     attention_bias: bool = False,
+    hidden_size: int = 48,
+    intermediate_size: int = 80,
 ) -> Any:
     """A transformers config for a tiny model of `family` ("llama", "mistral", "qwen2")."""
     from transformers import AutoConfig
 
     kw: dict[str, Any] = {
         "vocab_size": VOCAB_SIZE,
-        "hidden_size": 48,
-        "intermediate_size": 80,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
         "num_hidden_layers": num_layers,
         "num_attention_heads": num_heads,
         "num_key_value_heads": num_kv_heads,

@@ -76,7 +76,7 @@ def test_exposed_settings_are_child_fields_not_copies() -> None:
                    "restart_window_s", "memsvc", "runner", "frontend"}
     flags = {a.dest for a in build_parser()._actions} - {"help", "config"}
     assert flags == (own - {"memsvc", "runner", "frontend"}) | set(EXPOSED)
-    assert len(flags) == 28
+    assert len(flags) == 29
 
 
 @pytest.mark.parametrize(("layers", "expected"), [

@@ -1,0 +1,124 @@
+"""Weight-only quantization on CPU (kvserve.model.quant): each kernel computes x @ W.T with the
+weight its format stands for; int4 reproduces a Q4_1-quantized weight exactly (a Q4_1 GGUF is
+served as shipped); a quantized model frees its float projections and its logits stay close
+to the float model's; the modes and the config agree."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvserve.config import ConfigError
+from kvserve.config.runner import QUANTIZATIONS, RunnerConfig
+from kvserve.model.quant import (
+    ACT,
+    MODES,
+    Int4Linear,
+    Int8Linear,
+    Linear,
+    int4_dequantized,
+    quantize,
+)
+
+from .tinymodel import write_tiny_model
+
+
+def test_modes_are_the_configs() -> None:
+    assert MODES == QUANTIZATIONS
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_computes_with_its_own_weight(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    w, b = torch.randn(96, 64), torch.randn(96)
+    lin = quantize("int8", w.to(dtype), b.to(dtype))
+    assert isinstance(lin, Int8Linear) and lin.qweight.dtype == torch.int8
+    deq, wd = lin.dequantized(), w.to(dtype).float()
+    # each weight within half a step of its row, plus the rounding of the row's scale to bf16
+    amax = wd.abs().amax(1, keepdim=True)
+    assert ((deq - wd).abs() <= amax / 254 + amax * 2.0**-8).all()
+    x = torch.randn(5, 64)
+    got = lin(x.to(dtype))
+    assert got.dtype == dtype
+    # the kernel runs on bf16 activations and gives bf16 outputs (8 significant bits)
+    want = x.to(ACT).float() @ deq.t() + b.to(dtype).float()
+    assert torch.allclose(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item()), \
+        (got.float() - want).abs().max()
+
+
+def test_int4_keeps_a_q4_1_weights_codes() -> None:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    from gguf.quants import quantize as gguf_quantize
+
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((64, 128)).astype(np.float32)
+    shipped = torch.from_numpy(dequantize(gguf_quantize(w, GGMLQuantizationType.Q4_1),
+                                          GGMLQuantizationType.Q4_1).reshape(64, 128).copy())
+    assert not torch.equal(shipped, torch.from_numpy(w))  # it is quantized
+    # with exact scales, back onto its own grid: the 4-bit codes are the file's
+    err = (int4_dequantized(shipped) - shipped).abs().max().item()
+    assert err < 1e-5, err
+    # while a float weight loses up to half a step
+    assert (int4_dequantized(torch.from_numpy(w)) - torch.from_numpy(w)).abs().max().item() > 1e-2
+    # the kernel's bf16 scale and zero point move a weight by at most their rounding
+    kernel = int4_dequantized(shipped, scale_dtype=ACT)
+    bound = shipped.abs().amax() * 2.0**-7
+    assert 0 < (kernel - shipped).abs().max().item() <= bound
+
+
+def test_int4_kernel_computes_with_the_grid_weight() -> None:
+    torch.manual_seed(2)
+    w = torch.randn(128, 256)
+    lin = quantize("int4", w, None)
+    assert isinstance(lin, Int4Linear)
+    x = torch.randn(7, 256)
+    want = x.to(ACT).float() @ int4_dequantized(w, scale_dtype=ACT).t()
+    got = lin(x)
+    assert got.dtype == torch.float32
+    # bf16 output: 8 significant bits of values ~|want|
+    assert torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item()), (got - want).abs().max()
+    # batch shape is kept
+    assert lin(x.view(7, 1, 256)).shape == (7, 1, 128)
+
+
+def test_int4_falls_back_to_int8_where_k_does_not_tile() -> None:
+    assert isinstance(quantize("int4", torch.randn(16, 48), None), Int8Linear)
+    assert type(quantize("none", torch.randn(16, 48), None)) is Linear
+    with pytest.raises(ValueError, match="quantization must be one of none, int8, int4, got 'fp8'"):
+        quantize("fp8", torch.randn(16, 48), None)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_quantized_model_stays_close_and_frees_its_float_projections(tmp_path, mode: str) -> None:
+    from kvserve.model.weights import load_model
+
+    path = write_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128)  # K tiles for int4
+    ref = load_model(str(path), dtype=torch.float32)
+    q = load_model(str(path), dtype=torch.float32, quantization=mode)
+    assert q.model.quantization == mode and isinstance(q.model.head, Int8Linear)
+    layer = q.model.layers[0]
+    assert layer.qkv_weight.numel() == 0 and layer.down_weight.numel() == 0
+    assert isinstance(layer.gate_up, Int4Linear if mode == "int4" else Int8Linear)
+    ids = torch.arange(3, 40)
+
+    def dense(model):
+        def attend(_, qh, k, v):
+            qh, k, v = (t.transpose(0, 1) for t in (qh, k, v))
+            o = torch.nn.functional.scaled_dot_product_attention(qh, k, v, is_causal=True, enable_gqa=True)
+            return o.transpose(0, 1)
+        return model.forward_tokens(ids, torch.arange(len(ids)), attend, torch.arange(len(ids)))
+
+    a, b = dense(ref.model), dense(q.model)
+    rel = ((a - b).norm() / a.norm()).item()
+    assert rel < (0.02 if mode == "int8" else 0.2), rel
+    assert rel > 0  # it is quantized
+
+
+def test_config_checks_the_mode() -> None:
+    assert RunnerConfig(quantization="int4").quantization == "int4"
+    with pytest.raises(ConfigError, match="^--quantization: 'int3' is not one of none, int8, int4"):
+        RunnerConfig(quantization="int3")
+    with pytest.raises(ConfigError, match="^--quantization int8: runs on CPU only"):
+        RunnerConfig(quantization="int8", device="cuda:0")
