@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -18,6 +19,20 @@ from ..faults.harness import stop_process
 SMALL = ["--n-layers", "2", "--n-kv-heads", "2", "--head-dim", "8", "--kv-tokens", "256",
          "--max-reqs", "8", "--max-context-len", "64", "--lease-timeout-s", "1.0",
          "--integrity-interval-s", "0.3"]
+
+
+def curve_keys(root: Path, client: str) -> Path:
+    """keys/{memsvc,CLIENT,stranger}.key[_secret] under `root`, and allowed/ holding only
+    CLIENT.key (the public keys memsvc admits); returns `root`."""
+    from kvserve.tools.keygen import keygen
+
+    keydir = root / "keys"
+    for name in ("memsvc", client, "stranger"):
+        keygen(keydir, name)
+    allowed = root / "allowed"
+    allowed.mkdir(mode=0o755)
+    shutil.copy(keydir / f"{client}.key", allowed / f"{client}.key")
+    return root
 
 
 def free_port() -> int:

@@ -16,21 +16,14 @@ import pytest
 from kvserve.config import ConfigError
 from kvserve.config.curve import client_keys, load_public_keys, load_secret_key, require_curve
 from kvserve.memsvc.client import Admit, MemClient, MemsvcUnavailable, Release
-from kvserve.tools.keygen import keygen
 
-from .conftest import SMALL, free_port, start_memsvc
+from .conftest import SMALL, curve_keys, free_port, start_memsvc
 
 
 @pytest.fixture
 def keys(tmp_path: Path) -> Path:
     """keys/{memsvc,runner,stranger}.key[_secret]; allowed/ holds only runner.key."""
-    keydir = tmp_path / "keys"
-    for name in ("memsvc", "runner", "stranger"):
-        keygen(keydir, name)
-    allowed = tmp_path / "allowed"
-    allowed.mkdir(mode=0o755)
-    shutil.copy(keydir / "runner.key", allowed / "runner.key")
-    return tmp_path
+    return curve_keys(tmp_path, "runner")
 
 
 def _curve_flags(root: Path) -> list[str]:

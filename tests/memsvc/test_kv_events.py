@@ -6,7 +6,6 @@ contiguous sequence numbers and replays them on request."""
 from __future__ import annotations
 
 import hashlib
-import shutil
 import struct
 import time
 from pathlib import Path
@@ -29,9 +28,8 @@ from kvserve.messages.kv_events import (
     decode_batch,
     encode_batch,
 )
-from kvserve.tools.keygen import keygen
 
-from .conftest import free_port
+from .conftest import curve_keys, free_port
 
 
 def chain_hash(ids: list[int] | np.ndarray) -> bytes:
@@ -243,12 +241,7 @@ def test_memsvc_publishes_and_replays(run_dir: Path, memsvc_factory) -> None:
 def test_events_over_curve_reach_only_listed_keys(tmp_path: Path) -> None:
     """Off loopback, memsvc's event sockets are CURVE servers under its ZAP handler: a listed
     key gets the replay, an unlisted key and a plain client get nothing."""
-    keydir = tmp_path / "keys"
-    for name in ("memsvc", "router", "stranger"):
-        keygen(keydir, name)
-    allowed = tmp_path / "allowed"
-    allowed.mkdir(mode=0o755)
-    shutil.copy(keydir / "router.key", allowed / "router.key")
+    keydir, allowed = curve_keys(tmp_path, "router") / "keys", tmp_path / "allowed"
     keys = server_keys(str(keydir / "memsvc.key_secret"), str(allowed), secret_field="curve_secret_key_file",
                        dir_field="curve_public_keys_dir")
     ctx = zmq.Context()
