@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,7 @@ from kvserve.memsvc.client import Admit, Grow, MemClient, Release
 from kvserve.memsvc.kv_events import BlockEvents, EventPublisher
 from kvserve.memsvc.radix import RadixCache
 from kvserve.messages.runner_memsvc import REQUESTS, Step
+from kvserve.tools.servectl import free_block
 
 ECHO = """
 import sys, msgpack, zmq
@@ -146,8 +146,8 @@ def _drain(ctx: zmq.Context, live: str, counts: list[int], ready: threading.Even
 def bench_events(iters: int) -> None:
     ctx = zmq.Context()
     run = tempfile.mkdtemp(prefix="kvserve-bench-")
-    live, replay = f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
-    pub = EventPublisher(ctx, live, f"tcp://127.0.0.1:{_free_port()}")
+    live, replay = f"tcp://127.0.0.1:{free_block(1)}", f"tcp://127.0.0.1:{free_block(1)}"
+    pub = EventPublisher(ctx, live, f"tcp://127.0.0.1:{free_block(1)}")
     plain = bench_radix()
     with_events = bench_radix(publisher=pub)
     print(f"events in process  : {plain / with_events:.2f}x the time of match+insert without them "
@@ -208,11 +208,6 @@ def _bench_event_steps(ctx: zmq.Context, run: str, live: str, replay: str, iters
     print(f"events on/off      : median {results[True][0] / results[False][0]:.2f}x  "
           f"p99 {results[True][1] / results[False][1]:.2f}x")
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> int:

@@ -77,6 +77,12 @@ class MemsvcConfig:
                                                    "CURVE (vllm-router 0.1.17 has no CURVE client); they carry "
                                                    "prompt token ids: fence their ports to the router")
 
+    @property
+    def kv_events_remote(self) -> bool:
+        """KV events are published and one of their endpoints is not loopback."""
+        return bool(self.kv_events_endpoint) and not (
+            is_loopback_tcp(self.kv_events_endpoint) and is_loopback_tcp(self.kv_events_replay_endpoint))
+
     def __post_init__(self) -> None:
         check_dtype(self.dtype)
         check_device(self.device)
@@ -100,15 +106,14 @@ class MemsvcConfig:
             check_address(self.address, name="address", allow_remote=self.allow_remote)
         check_kv_events(self.kv_events_endpoint, self.kv_events_replay_endpoint, self.kv_event_block_size,
                         allow_remote=self.allow_remote)
-        if self.kv_events_endpoint and not self.kv_events_plaintext and not self.curve_secret_key_file:
-            for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
-                address = getattr(self, name)
-                if not is_loopback_tcp(address):
-                    raise ConfigError(
-                        f"{flag_name(name)}: {address} is not loopback and KV events carry prompt token "
-                        "ids: give --curve-secret-key-file and --curve-public-keys-dir (events over CURVE), "
-                        "or --kv-events-plaintext with the ports fenced to the router (vllm-router 0.1.17 "
-                        "has no CURVE client)")
+        if self.kv_events_remote and not self.kv_events_plaintext and not self.curve_secret_key_file:
+            name = next(n for n in ("kv_events_endpoint", "kv_events_replay_endpoint")
+                        if not is_loopback_tcp(getattr(self, n)))
+            raise ConfigError(
+                f"{flag_name(name)}: {getattr(self, name)} is not loopback and KV events carry prompt token "
+                "ids: give --curve-secret-key-file and --curve-public-keys-dir (events over CURVE), "
+                "or --kv-events-plaintext with the ports fenced to the router (vllm-router 0.1.17 "
+                "has no CURVE client)")
         if self.kv_event_block_size % self.page_size:
             # the cache matches whole pages: a block inside a page could be announced twice
             raise ConfigError(f"--kv-event-block-size {self.kv_event_block_size}: must be a multiple of "

@@ -31,6 +31,7 @@ import zmq
 from kvserve.config.curve import ServerKeys, secure_server
 from kvserve.messages.kv_events import (
     MAX_EVENTS_PER_BATCH,
+    REPLAY_END_SEQ,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -45,7 +46,7 @@ log = logging.getLogger("kvserve.memsvc")
 REPLAY_RING = 4096
 """Messages kept for replays (a router that fell further behind starts over from live)."""
 PUB_HWM = 100_000
-_END = [b"", b"\xff" * 8, b""]  # the replay's end marker: empty topic, seq -1, empty payload
+_END = [b"", encode_seq(REPLAY_END_SEQ), b""]  # the replay's end marker: empty topic and payload
 _START = struct.Struct(">Q")
 
 
@@ -90,6 +91,11 @@ class BlockEvents:
     def removed(self, tokens: np.ndarray, start: int) -> None:
         self._queue(False, tokens, start)
 
+    @property
+    def pending(self) -> bool:
+        """Whether `take()` has events to give."""
+        return self._cleared or bool(self._pending)
+
     def take(self) -> list[KVEvent]:
         """The events queued since the last call, oldest first."""
         out: list[KVEvent] = [AllBlocksCleared()] if self._cleared else []
@@ -119,7 +125,7 @@ class EventPublisher:
         self.seq = 0
         self.sent = 0
         self.dropped = 0
-        self.bad_replays = 0
+        self.bad_replays = 0  # malformed replay requests
         self._ring: deque[tuple[int, bytes]] = deque(maxlen=ring)
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
@@ -168,7 +174,7 @@ class EventPublisher:
                                                    zmq.NOBLOCK)
                 self.replay.send_multipart([ident, b"", *_END], zmq.NOBLOCK)
             except zmq.Again:  # the requester stopped reading: it will ask again
-                self.bad_replays += 1
+                pass
 
     def close(self) -> None:
         self.pub.close(0)

@@ -23,13 +23,11 @@ import zmq
 
 from kvserve import sdnotify
 from kvserve.config import ConfigError, config_from_args, process_parser
-from kvserve.config.checks import is_loopback_tcp
 from kvserve.config.curve import ServerKeys, apply_server, require_curve, server_keys
 from kvserve.config.devices import resolve_device, resolve_dtype
 from kvserve.config.memsvc import MemsvcConfig
 from kvserve.memsvc.kv_events import EventPublisher
 from kvserve.memsvc.shape import resolve_shape
-from kvserve.messages.kv_events import AllBlocksCleared
 from kvserve.messages.runner_memsvc import REQUESTS, Stats
 from kvserve.metrics import serve_metrics
 from kvserve.paths import MEMSVC_SOCKET, bind_private, ipc_address
@@ -87,8 +85,7 @@ class MemsvcServer:
                 self.sock.close(0)
                 self.ctx.term()
                 raise
-        if self.publisher is not None:  # AllBlocksCleared goes out as seq 0 before memsvc is ready
-            self._publish({})
+            self._publish({})  # AllBlocksCleared goes out as seq 0 before memsvc is ready
         self._poller = zmq.Poller()
         self._poller.register(self.sock, zmq.POLLIN)
         if self.publisher is not None:
@@ -133,20 +130,26 @@ class MemsvcServer:
                 last_dog = now
 
     def _publish(self, ready: dict) -> None:
-        """Send the KV events the handled messages caused (never blocks) and answer replays."""
-        assert self.publisher is not None and self.service.events is not None
-        events = self.service.events.take()
-        if events:
-            pub, m = self.publisher, self.service.metrics
-            sent, dropped = pub.sent, pub.dropped
-            pub.publish(events)
-            m.kv_event_messages.labels(outcome="sent").inc(pub.sent - sent)
-            m.kv_event_messages.labels(outcome="dropped").inc(pub.dropped - dropped)
-            for event in events:
-                if not isinstance(event, AllBlocksCleared):
-                    m.kv_event_blocks.labels(type=type(event).__name__).inc(len(event.block_hashes))
-        if self.publisher.replay in ready:
-            self.publisher.serve_replays()
+        """Send the KV events the handled messages caused (never blocks) and answer replays;
+        the metrics follow the counters of `BlockEvents` and `EventPublisher`."""
+        pub, ev, m = self.publisher, self.service.events, self.service.metrics
+        assert pub is not None and ev is not None
+        replays = pub.replay in ready
+        if not ev.pending and not replays:
+            return
+        def counts() -> tuple[int, ...]:
+            return pub.sent, pub.dropped, ev.stored_blocks, ev.removed_blocks, pub.bad_replays
+
+        before = counts()
+        pub.publish(ev.take())
+        if replays:
+            pub.serve_replays()
+        sent, dropped, stored, removed, bad = (now - then for now, then in zip(counts(), before, strict=True))
+        m.kv_event_messages.labels(outcome="sent").inc(sent)
+        m.kv_event_messages.labels(outcome="dropped").inc(dropped)
+        m.kv_event_blocks.labels(type="BlockStored").inc(stored)
+        m.kv_event_blocks.labels(type="BlockRemoved").inc(removed)
+        m.bad_messages.labels(reason="malformed").inc(bad)
 
     def close(self) -> None:
         if self.publisher is not None:
@@ -194,9 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         events = (cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint) if cfg.kv_events_endpoint else None
         # CURVE on the event sockets when not loopback (the config refused that without keys
         # unless --kv-events-plaintext)
-        remote = events is not None and not all(map(is_loopback_tcp, events))
         server = MemsvcServer(service, address, integrity_interval_s=cfg.integrity_interval_s, curve=curve,
-                              events=events, events_curve=remote and not cfg.kv_events_plaintext)
+                              events=events, events_curve=cfg.kv_events_remote and not cfg.kv_events_plaintext)
     except (zmq.ZMQError, OSError) as exc:
         service.close()
         where = address if events is None else f"{address}, {events[0]} or {events[1]}"

@@ -15,12 +15,12 @@ import struct
 
 import msgspec
 
-HASH_BYTES = 32
 MEDIUM = "GPU"
 """memsvc's pool is the engine's KV cache (also on a CPU host): full credit at the router."""
 MAX_EVENTS_PER_BATCH = 4096
 """The most events a router accepts in one message."""
 REPLAY_END_SEQ = -1
+"""The seq of the end marker that closes a replay."""
 
 
 class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", frozen=True):
@@ -66,7 +66,3 @@ def decode_batch(payload: bytes) -> tuple[float, list[KVEvent]]:
 
 def encode_seq(seq: int) -> bytes:
     return _SEQ.pack(seq)
-
-
-def decode_seq(frame: bytes) -> int:
-    return _SEQ.unpack(frame)[0]

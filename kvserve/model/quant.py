@@ -5,16 +5,17 @@
 steps), `torch._weight_int4pack_mm_for_cpu`. That is the shape of GGUF's Q4_1 blocks
 (`w = d·q + m` over 32 values, with the block's minimum at q = 0 and maximum at q = 15), so a
 Q4_1 file's dequantized weights quantize back onto exactly their own 4-bit codes; the
-kernel holds each group's scale and zero point in bfloat16 (the file has float16 d and m). The output head is int8 in both modes (what llama.cpp's files keep at
-8 bits or more). The embedding table stays in the model dtype.
+kernel holds each group's scale and zero point in bfloat16 (the file has float16 d and m).
+The output head is int8 in both modes (what llama.cpp's files keep at 8 bits or more). The
+embedding table stays in the model dtype.
 
-`Both kernels take their activations in bfloat16 (whatever the model dtype; the output is
+Both kernels take their activations in bfloat16 (whatever the model dtype; the output is
 cast back): with float32 activations torch 2.13 takes a fallback 7-50× slower than a float32
 matmul on an AVX-512 CPU, with bfloat16 ones it beats it (bench/quant_fidelity.py).
 
-`Linear` is what a layer calls for `x @ W.T + b`; `quantize_model` swaps a loaded model's
-projections for quantized ones and frees the float weights. Knows torch; nothing about
-files, slots or scheduling.
+`Linear` is what a layer calls for `x @ W.T + b`; `quantize` gives the one for a weight in a
+mode (`LlamaForCausalLM.quantize` swaps a loaded model's projections and frees the float
+weights). Knows torch; nothing about files, slots or scheduling.
 """
 
 from __future__ import annotations
@@ -38,7 +39,23 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
 
-class Int8Linear(Linear):
+class _WeightOnly:
+    """A weight-only kernel's y = x @ W.T (+ b): `x` in any float dtype and batch shape,
+    computed on bfloat16 activations, `y` in `x`'s dtype."""
+
+    bias: torch.Tensor | None
+
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        """The kernel on 2-D bfloat16 activations."""
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = self._mm(x.reshape(-1, shape[-1]).to(ACT)).to(x.dtype).reshape(*shape[:-1], -1)
+        return y if self.bias is None else y + self.bias
+
+
+class Int8Linear(_WeightOnly):
     """Per-row symmetric int8 weight [N, K] with float scales [N]."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -51,22 +68,20 @@ class Int8Linear(Linear):
     def dequantized(self) -> torch.Tensor:
         return self.qweight.float() * self.scales.float()[:, None]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        y = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(ACT), self.qweight, self.scales)
-        y = y.to(x.dtype).reshape(*shape[:-1], -1)
-        return y if self.bias is None else y + self.bias
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x, self.qweight, self.scales)
 
 
 def int4_groups(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q [N, K] in 0..15 as int32, scale [N, K/group], minimum [N, K/group]): each group of
-    `group` inputs of a row mapped onto 16 steps from its minimum to its maximum."""
+    """(q [N, K] in 0..15 as int32, scale [N, K/group], zero [N, K/group]): each group of
+    `group` inputs of a row mapped onto 16 steps from its minimum to its maximum, in the
+    kernel's terms w = (q - 8) · scale + zero."""
     n, k = weight.shape
     w = weight.float().reshape(n, k // group, group)
     lo, hi = w.amin(dim=2), w.amax(dim=2)
     scale = ((hi - lo) / 15.0).clamp(min=1e-12)
     q = torch.round((w - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
-    return q.reshape(n, k), scale, lo
+    return q.reshape(n, k), scale, lo + 8.0 * scale
 
 
 def int4_dequantized(weight: torch.Tensor, group: int = GROUP,
@@ -74,30 +89,24 @@ def int4_dequantized(weight: torch.Tensor, group: int = GROUP,
     """The float weight int4 stands for: each value moved to its group's nearest step, with
     the groups' scale and zero point held in `scale_dtype` (the kernel's: `ACT`)."""
     n, k = weight.shape
-    q, scale, lo = int4_groups(weight, group)
+    q, scale, zero = int4_groups(weight, group)
     s = scale.to(scale_dtype).float()[..., None]
-    z = (lo + 8.0 * scale).to(scale_dtype).float()[..., None]
+    z = zero.to(scale_dtype).float()[..., None]
     return ((q.float().reshape(n, k // group, group) - 8.0) * s + z).reshape(n, k)
 
 
-class Int4Linear(Linear):
+class Int4Linear(_WeightOnly):
     """Group-wise asymmetric int4 weight, packed for torch's CPU int4 kernel."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: int = GROUP) -> None:
-        q, scale, lo = int4_groups(weight, group)
+        q, scale, zero = int4_groups(weight, group)
         self.group = group
         self.packed = torch._convert_weight_to_int4pack_for_cpu(q, _INNER_K_TILES)
-        # the kernel computes w = (q - 8) * scale + zero
-        zero = lo + 8.0 * scale
         self.scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=2).to(ACT).contiguous()  # [K/group, N, 2]
         self.bias = bias
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).to(ACT), self.packed, self.group,
-                                              self.scales_and_zeros)
-        y = y.to(x.dtype).reshape(*shape[:-1], -1)
-        return y if self.bias is None else y + self.bias
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales_and_zeros)
 
 
 def supports(mode: str, weight: torch.Tensor) -> bool:
@@ -109,7 +118,7 @@ def supports(mode: str, weight: torch.Tensor) -> bool:
     return True
 
 
-def quantize(mode: str, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+def quantize(mode: str, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear | _WeightOnly:
     """The `Linear` for `weight` in `mode` (a weight int4 cannot take falls back to int8)."""
     if mode not in MODES:
         raise ValueError(f"quantization must be one of {', '.join(MODES)}, got {mode!r}")

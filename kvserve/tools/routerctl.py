@@ -24,6 +24,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from kvserve.tools.servectl import Service, children_of, free_block, stop_process
 
 POLICIES = ("kv_aware", "cache_aware", "round_robin")
@@ -48,18 +50,8 @@ class Router:
         """The sum of the samples of counter or gauge `name` whose labels include `labels`
         (0 when the router has not counted it yet: its counters appear once incremented)."""
         text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
-        total = 0.0
-        for line in text.splitlines():
-            if line.startswith("#") or not line.startswith(name):
-                continue
-            head, _, value = line.rpartition(" ")
-            metric, _, rest = head.partition("{")
-            if metric != name:
-                continue
-            have = dict(part.split("=", 1) for part in rest.rstrip("}").split(",") if "=" in part)
-            if all(have.get(k, "").strip('"') == v for k, v in labels.items()):
-                total += float(value)
-        return total
+        return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+                   if sample.name == name and labels.items() <= sample.labels.items())
 
 
 def start_router(nodes: list[Service], policy: str, *, model: str, block_size: int = 16,

@@ -231,6 +231,7 @@ def test_memsvc_publishes_and_replays(run_dir: Path, memsvc_factory) -> None:
         finally:
             client.close()
         text = svc.metrics()
+        assert 'kvserve_memsvc_bad_messages_total{reason="malformed"} 2.0' in text  # the two bad replays
         assert 'kvserve_memsvc_kv_event_messages_total{outcome="sent"}' in text
         assert 'kvserve_memsvc_kv_event_blocks_total{type="BlockStored"} 4.0' in text
         assert svc.stop() == 0
