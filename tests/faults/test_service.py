@@ -270,7 +270,10 @@ def _is_good(frames: list[bytes]) -> bool:
 
 
 def test_fuzzed_memsvc_socket_survives_counts_and_keeps_state(svc: Service) -> None:
-    before = svc.stats()
+    # the state the fuzz must leave alone: first let an earlier test's request finish (a CI run
+    # saw one release its row during the fuzz)
+    before = svc.wait_stats(lambda st: st.rows_used == 0 and st.slots_request == 0, timeout=30)
+    assert before.rows_used == 0 and before.slots_request == 0, before
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
