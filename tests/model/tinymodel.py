@@ -1,107 +1,24 @@
-"""Write a tiny random Llama-family model as a Hugging Face directory, for fast CPU tests.
+"""The tiny random model of kvserve/tools/tinymodel.py, and a paged forward for CPU tests.
 
-`write_tiny_model(dir)` saves config.json, safetensors weights (sharded on request, with
-`model.safetensors.index.json`), a byte-level tokenizer with a chat template, and a
-generation_config.json. The weights come from transformers' own model classes, so the
-directory is exactly what a real checkpoint looks like, and the same directory can be
-loaded back by transformers as the reference.
+`PagedKV` runs ragged steps of kvserve's model through a `kvserve.kernels` backend over
+buffers laid out like memsvc's; `greedy_generate` decodes greedily with it.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import torch
 
-BYTE_VOCAB = 256
-SPECIALS = ("<|bos|>", "<|eos|>", "<|pad|>")
-VOCAB_SIZE = BYTE_VOCAB + len(SPECIALS) + 5  # a few unused rows, like real checkpoints
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|bos|>{{ m['role'] }}\n{{ m['content'] }}<|eos|>{% endfor %}"
-    "{% if add_generation_prompt %}<|bos|>assistant\n{% endif %}"
+from kvserve.tools.tinymodel import (  # noqa: F401  (re-exported for the tests)
+    BYTE_VOCAB,
+    CHAT_TEMPLATE,
+    SPECIALS,
+    VOCAB_SIZE,
+    tiny_config,
+    write_tiny_model,
+    write_tokenizer,
 )
-
-
-def write_tokenizer(path: Path) -> None:
-    """A byte-level BPE tokenizer without merges (one token per byte) plus special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    for name in SPECIALS:
-        vocab[name] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=SPECIALS[0], eos_token=SPECIALS[1], pad_token=SPECIALS[2]
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(str(path))
-
-
-def tiny_config(
-    *,
-    family: str = "llama",
-    tie: bool = True,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    head_dim: int = 16,
-    num_layers: int = 2,
-    rope_scaling: dict[str, Any] | None = None,
-    attention_bias: bool = False,
-    hidden_size: int = 48,
-    intermediate_size: int = 80,
-) -> Any:
-    """A transformers config for a tiny model of `family` ("llama", "mistral", "qwen2")."""
-    from transformers import AutoConfig
-
-    kw: dict[str, Any] = {
-        "vocab_size": VOCAB_SIZE,
-        "hidden_size": hidden_size,
-        "intermediate_size": intermediate_size,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": num_kv_heads,
-        "head_dim": head_dim,
-        "max_position_embeddings": 512,
-        "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": tie,
-        "bos_token_id": BYTE_VOCAB,
-        "eos_token_id": BYTE_VOCAB + 1,
-        "pad_token_id": BYTE_VOCAB + 2,
-    }
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": 10000.0}
-    if rope_scaling:
-        rope = {**rope_scaling, "rope_theta": 500000.0}
-    kw["rope_parameters"] = rope
-    if family == "llama":
-        kw["attention_bias"] = attention_bias
-    if family == "mistral":
-        kw["sliding_window"] = None
-    return AutoConfig.for_model(family, **kw)
-
-
-def write_tiny_model(path: Path, *, seed: int = 0, shard: bool = False, **config_kw: Any) -> Path:
-    """Write a random tiny model of `tiny_config(**config_kw)` to `path`; returns `path`."""
-    from transformers import AutoModelForCausalLM
-
-    path.mkdir(parents=True, exist_ok=True)
-    config = tiny_config(**config_kw)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():  # HF init makes norms exactly 1 and biases 0: perturb them
-            p.add_(torch.randn_like(p) * 0.05)
-    model.save_pretrained(str(path), max_shard_size="40KB" if shard else "2GB")
-    write_tokenizer(path)
-    (path / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": BYTE_VOCAB, "eos_token_id": [BYTE_VOCAB + 1]})
-    )
-    return path
 
 
 class PagedKV:
