@@ -21,7 +21,7 @@ from pathlib import Path
 PACKAGES = (
     "pyzmq", "msgspec", "gguf", "grpcio", "grpcio-health-checking", "grpcio-reflection",
     "protobuf", "fastapi", "starlette", "uvicorn", "httptools", "pydantic", "pydantic-core",
-    "annotated-types", "typing-inspection", "typing-extensions", "annotated-doc",
+    "annotated-types", "typing-inspection", "typing-extensions", "annotated-doc", "opentelemetry-api",
 )
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux1_x86_64", "manylinux_2_5_x86_64", "any")

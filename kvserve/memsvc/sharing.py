@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 
 import torch
 
@@ -70,10 +71,32 @@ class SharedBuffer:
                             nbytes=self.nbytes, pid=os.getpid(), cuda=_export_cuda(self.tensor))
 
     def close(self) -> None:
-        """Drop memsvc's fd; the memory lives on only while some process maps it."""
+        """Drop memsvc's fd; the memory lives on only while some process maps it. CUDA: remove
+        the IPC files of this process in /dev/shm (`remove_cuda_ipc_files`)."""
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+        if self.device.type == "cuda":
+            remove_cuda_ipc_files(os.getpid())
+
+
+def remove_cuda_ipc_files(pid: int, shm: Path = Path("/dev/shm")) -> list[str]:
+    """Remove the `cuda.shm.<device>.<pid in hex>.<n>` files the CUDA driver made in /dev/shm
+    for `pid`'s exported IPC events; the names removed. The driver leaves them behind when
+    the exporting process ends (seen on an H200, driver 580: one per memsvc run), so memsvc
+    removes its own when it stops: nobody opens its handles any more then, and a runner that
+    still maps a buffer keeps its mapping. (After a kill -9 of memsvc one such file, a few
+    KiB, stays.)"""
+    removed = []
+    for path in shm.glob(f"cuda.shm.*.{pid:x}.*"):
+        parts = path.name.split(".")
+        if len(parts) == 5 and parts[3] == f"{pid:x}" and parts[2].isdigit() and parts[4].isdigit():
+            try:
+                path.unlink()
+                removed.append(path.name)
+            except OSError:
+                pass
+    return removed
 
 
 def _export_cuda(tensor: torch.Tensor) -> CudaHandle:

@@ -74,6 +74,10 @@ class Worker:
         self.backend_name = resolve_backend(cfg.attention_backend, self.device)
         self.stopping = threading.Event()
         self.lock = threading.Lock()  # guards the frontend socket (status thread + loop)
+        # set while the status thread waits for the socket: the idle loop, which takes the
+        # lock again right after it lets go, stands aside (an unfair lock can starve the
+        # waiter for minutes, as it did on a 16-core VM: the frontend dropped the runner)
+        self._aside = threading.Event()
         self.loaded: Any = None
         self.mem: Any = None
         self.sched: Any = None
@@ -192,11 +196,15 @@ class Worker:
         return True
 
     # ---- frontend link -----------------------------------------------------------------
-    def _send(self, msg: Any, wait_s: float = 0.0) -> bool:
-        """Send one message up; False when the frontend cannot take it within `wait_s`."""
+    def _send(self, msg: Any, wait_s: float = 0.0, *, aside: bool = False) -> bool:
+        """Send one message up; False when the frontend cannot take it within `wait_s`.
+        `aside`: sent from a thread other than the loop's, which lets it have the socket."""
         assert self._sock is not None
         frame = UP.encode(msg)
+        if aside:
+            self._aside.set()
         with self.lock:
+            self._aside.clear()
             if wait_s and not self._sock.poll(int(wait_s * 1000), zmq.POLLOUT):
                 return False
             try:
@@ -205,9 +213,9 @@ class Worker:
             except zmq.Again:
                 return False
 
-    def _hello(self) -> None:
+    def _hello(self, aside: bool = False) -> None:
         self._send(Hello(runner_id=self.cfg.runner_id, pid=os.getpid(),
-                         max_context_len=self.sched.max_context_len))
+                         max_context_len=self.sched.max_context_len), aside=aside)
 
     def _status(self) -> RunnerStatus:
         s, mem = self.sched, self.mem
@@ -222,9 +230,9 @@ class Worker:
         last_hello = time.monotonic()
         try:
             while not self.stopping.wait(STATUS_INTERVAL_S * 0.8):
-                self._send(self._status())  # periodic: one that does not fit is replaced soon
+                self._send(self._status(), aside=True)  # one that does not fit is replaced soon
                 if time.monotonic() - last_hello >= HELLO_INTERVAL_S:
-                    self._hello()
+                    self._hello(aside=True)
                     last_hello = time.monotonic()
         except BaseException as exc:  # a silent runner would be dropped anyway: die loudly
             log.critical("the status thread died: %r", exc, exc_info=exc)
@@ -242,6 +250,9 @@ class Worker:
                         frames.append(self._sock.recv(flags=zmq.NOBLOCK))
                     except zmq.Again:
                         break
+        end = time.monotonic() + 0.01
+        while self._aside.is_set() and time.monotonic() < end:
+            time.sleep(0.0002)  # the status thread takes the socket now
         for frame in frames:
             self.take_frame(frame)
 
