@@ -17,7 +17,7 @@ BACKENDS = ("auto", "torch", "triton")
 
 
 # the modes kvserve.model.quant implements (a test keeps the two in step)
-QUANTIZATIONS = ("none", "int8", "int4")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,9 +46,11 @@ class RunnerConfig:
     metrics_port: int = option(9402, help="Prometheus metrics port (0 = off)")
     attention_backend: str = option("auto", help="attention backend: torch, triton or auto "
                                                  "(triton on cuda)")
-    quantization: str = option("none", help="weight-only quantization of the projections on CPU: none, "
-                                            "int8 (per row) or int4 (groups of 32, the grid of a Q4_1 "
-                                            "file); the output head is int8 unless none")
+    quantization: str = option("auto", help="weight-only quantization of the projections on CPU: "
+                                            "none, int8 (per row), int4 (groups of 32, the grid of a "
+                                            "Q4_1 file; the output head is int8 unless none) or auto: "
+                                            "int4 for a GGUF of 4-bit weights, int8 for 5-8-bit ones, "
+                                            "none for float weights and on CUDA")
     max_running: int = option(256, help="most requests running at once")
     max_batch_tokens: int = option(2048, help="token budget of one scheduler step "
                                               "(prefill chunks + decodes)")
@@ -67,7 +69,7 @@ class RunnerConfig:
                               f"{', '.join(BACKENDS)}")
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"--quantization: {self.quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
-        if self.quantization != "none" and self.device.startswith("cuda"):
+        if self.quantization not in ("none", "auto") and self.device.startswith("cuda"):
             raise ConfigError(f"--quantization {self.quantization}: runs on CPU only (--device {self.device})")
         check_at_least(self, 1, "max_running", "max_batch_tokens", "chunk_size")
         check_at_least(self, 0, "threads")

@@ -117,6 +117,20 @@ def iter_tensors(
         yield name, torch.from_numpy(np.array(arr, dtype=np.float32, order="C"))
 
 
+_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def projection_types(reader: Any) -> dict[str, int]:
+    """{GGML type name: tensors} over the layers' projection weights (Q4_1, Q8_0, F16, ...)."""
+    out: dict[str, int] = {}
+    for t in reader.tensors:
+        parts = t.name.split(".")
+        if len(parts) == 4 and parts[0] == "blk" and parts[2] in _PROJECTIONS and parts[3] == "weight":
+            name = t.tensor_type.name
+            out[name] = out.get(name, 0) + 1
+    return out
+
+
 def cached_tokenizer(path: Path, cache_root: Path) -> Any:
     """The transformers tokenizer of a GGUF file, from the tokenizer.json directory that
     `kvserve.model.tokenizer_cache` builds once per file (the frontend reads the same one)."""

@@ -13,6 +13,13 @@ Both kernels take their activations in bfloat16 (whatever the model dtype; the o
 cast back): with float32 activations torch 2.13 takes a fallback 7-50× slower than a float32
 matmul on an AVX-512 CPU, with bfloat16 ones it beats it (bench/quant_fidelity.py).
 
+`auto` (the default) follows the file: on CPU, a GGUF whose projections are mostly 4-bit
+(Q4_0, Q4_1, Q4_K, IQ4) runs int4, mostly 5 to 8-bit (Q5_*, Q6_K, Q8_0) int8, and float
+weights (F32, F16, BF16, a Hugging Face directory) or a CUDA device run none: a quantized
+file is served at its own precision, as llama.cpp serves it, and is 3-4x faster at one
+stream than its dequantized weights here (bench/quant_fidelity.py; its greedy agreement
+with the float reference is written down in docs/interfaces.md).
+
 `Linear` is what a layer calls for `x @ W.T + b`; `quantize` gives the one for a weight in a
 mode (`LlamaForCausalLM.quantize` swaps a loaded model's projections and frees the float
 weights). Knows torch; nothing about files, slots or scheduling.
@@ -107,6 +114,18 @@ class Int4Linear(_WeightOnly):
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales_and_zeros)
+
+
+def auto_mode(weight_types: dict[str, int], device: str) -> str:
+    """The mode `auto` picks for projection weights of these GGML types ({type name: tensors};
+    empty for a float checkpoint) on `device`."""
+    if not device.startswith("cpu") or not weight_types:
+        return "none"
+    bits4 = sum(n for t, n in weight_types.items() if t.startswith(("Q4", "IQ4")))
+    bits8 = sum(n for t, n in weight_types.items() if t.startswith(("Q5", "Q6", "Q8")))
+    if bits4 == 0 and bits8 == 0:
+        return "none"  # F32, F16, BF16 (or types below 4 bits, which int4 would not keep)
+    return "int4" if bits4 >= bits8 else "int8"
 
 
 def supports(mode: str, weight: torch.Tensor) -> bool:

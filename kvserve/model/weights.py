@@ -21,6 +21,7 @@ from kvserve.model import gguf as ggufload
 from kvserve.model.config import ModelConfig, ModelLoadError, config_from_hf
 from kvserve.model.files import ModelFileError, gguf_eos_ids, model_name, resolve_model
 from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.quant import auto_mode
 from kvserve.paths import cache_dir
 
 __all__ = [
@@ -170,6 +171,16 @@ def load_model(
         chat_template=bundle.chat_template,
         name=bundle.name,
     )
+
+
+def resolve_quantization(mode: str, spec: str | None, device: str) -> str:
+    """`mode` itself, or for "auto" the mode the model file and device call for
+    (`kvserve.model.quant.auto_mode`)."""
+    if mode != "auto":
+        return mode
+    path = _resolve(spec)
+    types = {} if path.is_dir() else ggufload.projection_types(ggufload.open_reader(path))
+    return auto_mode(types, device)
 
 
 def load_tokenizer(spec: str | None) -> TokenizerBundle:

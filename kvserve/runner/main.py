@@ -71,6 +71,7 @@ class Worker:
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
+        self.quantization = cfg.quantization  # "auto" is resolved from the model file in setup()
         self.backend_name = resolve_backend(cfg.attention_backend, self.device)
         self.stopping = threading.Event()
         self.lock = threading.Lock()  # guards the frontend socket (status thread + loop)
@@ -118,15 +119,18 @@ class Worker:
 
         from kvserve.kernels import DecodeWorkspace, get_backend
         from kvserve.metrics import serve_metrics
-        from kvserve.model.weights import load_model
+        from kvserve.model.weights import load_model, resolve_quantization
         from kvserve.runner.metrics import RunnerMetrics
         from kvserve.runner.scheduler import Scheduler, SchedulerConfig
 
         cfg = self.cfg
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
+        self.quantization = resolve_quantization(cfg.quantization, cfg.model or None, self.device)
+        if cfg.quantization == "auto":
+            log.info("quantization auto: %s on %s for this model file", self.quantization, self.device)
         self.loaded = load_model(cfg.model or None, dtype=getattr(torch, self.dtype), device=self.device,
-                                 quantization=cfg.quantization)
+                                 quantization=self.quantization)
         backend = get_backend(self.backend_name)
         self.metrics = RunnerMetrics()
         self._http = serve_metrics(self.metrics.registry, cfg.metrics_port)
@@ -147,7 +151,7 @@ class Worker:
         )
         self.metrics.set_info(
             model=self.loaded.name, device=self.device, dtype=self.dtype, backend=self.backend_name,
-            runner_id=cfg.runner_id, policy=self.mem.layout.policy, quantization=cfg.quantization,
+            runner_id=cfg.runner_id, policy=self.mem.layout.policy, quantization=self.quantization,
         )
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, cfg.runner_id.encode())
