@@ -17,15 +17,42 @@ from kvserve.model.quant import (
     Int4Linear,
     Int8Linear,
     Linear,
+    auto_mode,
     int4_dequantized,
     quantize,
 )
+from kvserve.model.weights import resolve_quantization
 
 from .tinymodel import write_tiny_model
 
 
 def test_modes_are_the_configs() -> None:
-    assert MODES == QUANTIZATIONS
+    assert QUANTIZATIONS == ("auto", *MODES)
+
+
+@pytest.mark.parametrize(("types", "device", "mode"), [
+    ({"Q4_1": 210}, "cpu", "int4"),  # the default model
+    ({"Q4_K": 150, "Q6_K": 60}, "cpu", "int4"),  # a Q4_K_M file keeps some layers at 6 bits
+    ({"Q4_0": 10, "Q8_0": 20}, "cpu", "int8"),
+    ({"Q8_0": 210}, "cpu", "int8"),
+    ({"Q5_K": 210}, "cpu", "int8"),
+    ({"F16": 210}, "cpu", "none"),
+    ({"BF16": 100, "F32": 10}, "cpu", "none"),
+    ({"Q2_K": 210}, "cpu", "none"),  # below 4 bits: int4 would not keep it
+    ({}, "cpu", "none"),  # a Hugging Face directory
+    ({"Q4_1": 210}, "cuda:0", "none"),
+])
+def test_auto_follows_the_files_weight_types(types: dict[str, int], device: str, mode: str) -> None:
+    assert auto_mode(types, device) == mode
+
+
+def test_auto_resolves_from_the_model_file(tmp_path) -> None:
+    assert resolve_quantization("auto", None, "cpu") == "int4"  # the embedded Q4_1 GGUF
+    assert resolve_quantization("auto", None, "cuda") == "none"
+    tiny = write_tiny_model(tmp_path / "tiny")
+    assert resolve_quantization("auto", str(tiny), "cpu") == "none"
+    assert resolve_quantization("int8", str(tiny), "cpu") == "int8"
+    assert resolve_quantization("none", None, "cpu") == "none"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -118,7 +145,9 @@ def test_a_quantized_model_stays_close_and_frees_its_float_projections(tmp_path,
 
 def test_config_checks_the_mode() -> None:
     assert RunnerConfig(quantization="int4").quantization == "int4"
-    with pytest.raises(ConfigError, match="^--quantization: 'int3' is not one of none, int8, int4"):
+    assert RunnerConfig().quantization == "auto"
+    assert RunnerConfig(quantization="auto", device="cuda").quantization == "auto"
+    with pytest.raises(ConfigError, match="^--quantization: 'int3' is not one of auto, none, int8, int4"):
         RunnerConfig(quantization="int3")
     with pytest.raises(ConfigError, match="^--quantization int8: runs on CPU only"):
         RunnerConfig(quantization="int8", device="cuda:0")
