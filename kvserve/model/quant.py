@@ -17,8 +17,8 @@ matmul on an AVX-512 CPU, with bfloat16 ones it beats it (bench/quant_fidelity.p
 (Q4_0, Q4_1, Q4_K, IQ4) runs int4, mostly 5 to 8-bit (Q5_*, Q6_K, Q8_0) int8, and float
 weights (F32, F16, BF16, a Hugging Face directory) or a CUDA device run none: a quantized
 file is served at its own precision, as llama.cpp serves it, and is 3-4x faster at one
-stream than its dequantized weights here (bench/quant_fidelity.py; its greedy agreement
-with the float reference is written down in docs/interfaces.md).
+stream than its dequantized weights here (bench/quant_fidelity.py measures that and its
+greedy agreement with the float reference; README.md has the figures).
 
 `Linear` is what a layer calls for `x @ W.T + b`; `quantize` gives the one for a weight in a
 mode (`LlamaForCausalLM.quantize` swaps a loaded model's projections and frees the float
