@@ -254,7 +254,7 @@ class Worker:
                         frames.append(self._sock.recv(flags=zmq.NOBLOCK))
                     except zmq.Again:
                         break
-        end = time.monotonic() + 0.01
+        end = time.monotonic() + IDLE_POLL_MS / 1000  # a waiter is woken well within a poll
         while self._aside.is_set() and time.monotonic() < end:
             time.sleep(0.0002)  # the status thread takes the socket now
         for frame in frames:
