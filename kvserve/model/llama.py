@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.model.config import ModelConfig
-from kvserve.model.quant import Int8Linear, Linear, quantize
+from kvserve.model.quant import Linear, quantize
 
 # attend(layer, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> o [T, Hq, D]
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -115,10 +115,11 @@ class DecoderLayer(nn.Module):
         self.down = Linear(self.down_weight, self.down_bias)
 
     def quantize(self, mode: str) -> None:
-        """Swap the four projections for `mode`'s (`kvserve.model.quant`); frees the float weights."""
+        """Swap the four projections for `mode`'s (`kvserve.model.quant`), each with a dense copy
+        of its quantized weight for large batches; frees the float weights."""
         for name in ("qkv", "o", "gate_up", "down"):
             weight = getattr(self, f"{name}_weight")
-            setattr(self, name, quantize(mode, weight, getattr(self, f"{name}_bias")))
+            setattr(self, name, quantize(mode, weight, getattr(self, f"{name}_bias"), dense=True))
             if mode != "none":
                 weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
 
@@ -167,7 +168,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             layer.quantize(mode)
         if mode != "none":
-            self.head = Int8Linear(self.lm_head, None)
+            self.head = quantize("int8", self.lm_head, None, dense=True)
             if self.lm_head is not self.embed:
                 self.lm_head.data = torch.empty(0, dtype=self.dtype, device=self.device)
         self.quantization = mode

@@ -13,6 +13,7 @@ from kvserve.config import ConfigError
 from kvserve.config.runner import QUANTIZATIONS, RunnerConfig
 from kvserve.model.quant import (
     ACT,
+    DENSE_ROWS,
     MODES,
     Int4Linear,
     Int8Linear,
@@ -110,6 +111,25 @@ def test_int4_kernel_computes_with_the_grid_weight() -> None:
     assert lin(x.view(7, 1, 256)).shape == (7, 1, 128)
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_large_batches_take_the_dense_copy_of_the_same_weights(mode: str) -> None:
+    torch.manual_seed(3)
+    w = torch.randn(96, 128, dtype=torch.bfloat16)
+    lin = quantize(mode, w, None, dense=True)
+    assert lin.dense is not None and lin.dense.dtype == torch.bfloat16
+    grid = int4_dequantized(w, scale_dtype=ACT) if mode == "int4" else lin.dequantized()
+    assert torch.equal(lin.dense, grid.to(torch.bfloat16))  # the kernel's values, not w's
+    big = torch.randn(DENSE_ROWS + 1, 128, dtype=torch.bfloat16)
+    assert torch.equal(lin(big), torch.nn.functional.linear(big, lin.dense))
+    small = big[:DENSE_ROWS]
+    kernel = lin._mm(small)
+    assert torch.equal(lin(small), kernel)  # few rows: the weight-only kernel
+    ref = small.float() @ grid.float().t()
+    for y in (kernel, lin(big)[:DENSE_ROWS]):
+        assert torch.allclose(y.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+    assert quantize(mode, w, None).dense is None
+
+
 def test_int4_falls_back_to_int8_where_k_does_not_tile() -> None:
     assert isinstance(quantize("int4", torch.randn(16, 48), None), Int8Linear)
     assert type(quantize("none", torch.randn(16, 48), None)) is Linear
@@ -127,6 +147,7 @@ def test_a_quantized_model_stays_close_and_frees_its_float_projections(tmp_path,
     assert q.model.quantization == mode and isinstance(q.model.head, Int8Linear)
     layer = q.model.layers[0]
     assert layer.qkv_weight.numel() == 0 and layer.down_weight.numel() == 0
+    assert layer.down.dense is not None and q.model.head.dense is not None  # for large batches
     assert isinstance(layer.gate_up, Int4Linear if mode == "int4" else Int8Linear)
     ids = torch.arange(3, 40)
 
