@@ -1,6 +1,7 @@
 """Acceptance tests of issue 4 against a real `kvserve serve` (memsvc + runner + frontend).
 
-`kvserve serve` is started ONCE for the module (float32, free ports, tmp runtime dir) and
+`kvserve serve` is started ONCE for the module (float weights: `--quantization none`, whose
+greedy output equals HF transformers' on every CPU; free ports, tmp runtime dir) and
 stopped at the end, which must exit 0 and leave no process, socket or /dev/shm file.
 Skipped while the runner worker or memsvc server is not importable.
 """
@@ -35,7 +36,7 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     svc = start_serve(tmp_path_factory.mktemp("serve-rt"), None, "--kv-tokens", "16384",
-                      ready_s=600.0)
+                      "--quantization", "none", ready_s=600.0)
     yield svc
     assert stop_serve(svc) == 0  # also: no child left, runtime dir and /dev/shm clean
 
