@@ -72,7 +72,12 @@ class MemsvcConfig:
     kv_events_replay_endpoint: str = option("", help="tcp://HOST:PORT of the ROUTER socket replaying "
                                                      "buffered KV-cache events (with --kv-events-endpoint)")
     kv_event_block_size: int = option(16, help="tokens per block in the KV-cache events (the router's "
-                                               "--kv-event-block-size)")
+                                               "--kv-event-block-size) and in the host and disk tiers")
+    host_cache_bytes: str = option("0", help="bytes of host RAM below the pool for KV blocks it evicts "
+                                              "(a size such as 8GiB; 0 = off)")
+    disk_cache_dir: str = option("", help="directory of the disk tier: KV blocks written through as they "
+                                          "are cached, read back on a hit, kept across restarts ('' = off)")
+    disk_cache_bytes: str = option("16GiB", help="bound of the disk tier (with --disk-cache-dir)")
     kv_events_plaintext: bool = option(False, help="publish KV-cache events on a non-loopback endpoint without "
                                                    "CURVE (vllm-router 0.1.17 has no CURVE client); they carry "
                                                    "prompt token ids: fence their ports to the router")
@@ -114,6 +119,14 @@ class MemsvcConfig:
                 "ids: give --curve-secret-key-file and --curve-public-keys-dir (events over CURVE), "
                 "or --kv-events-plaintext with the ports fenced to the router (vllm-router 0.1.17 "
                 "has no CURVE client)")
+        for name in ("host_cache_bytes", "disk_cache_bytes"):
+            try:
+                parse_size(getattr(self, name))
+            except ConfigError as exc:
+                raise ConfigError(f"{flag_name(name)}: {exc}") from None
+        if self.disk_cache_dir and self.n_layers is not None:
+            raise ConfigError("--disk-cache-dir keys its blocks by the model file's hash: give --model, "
+                              "not an explicit layout")
         if self.kv_event_block_size % self.page_size:
             # the cache matches whole pages: a block inside a page could be announced twice
             raise ConfigError(f"--kv-event-block-size {self.kv_event_block_size}: must be a multiple of "

@@ -5,7 +5,12 @@ This module knows the metric names and nothing about how the pool works.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+if TYPE_CHECKING:
+    from kvserve.memsvc.tiers import Tiers
 
 BAD_MESSAGE_REASONS = ("malformed", "invalid", "internal")
 
@@ -52,8 +57,23 @@ class MemsvcMetrics:
         self.kv_event_blocks = Counter("kvserve_memsvc_kv_event_blocks",
                                        "Blocks announced in KV events, by event type", ["type"], registry=r)
         self.info = Info("kvserve_memsvc", "memsvc build and pool settings", registry=r)
+        self.tier_hits = Counter("kvserve_kv_tier_hit_tokens",
+                                 "Prompt tokens served from a tier below the pool (copied back into it)",
+                                 ["tier"], registry=r)
+        self.tier_bytes = Counter("kvserve_kv_tier_bytes",
+                                  "KV bytes moved into (direction=in) or out of (out) a tier",
+                                  ["tier", "direction"], registry=r)
+        self.tier_seconds = Counter("kvserve_kv_tier_seconds",
+                                    "Time spent moving KV in and out of a tier (disk: on its worker thread)",
+                                    ["tier"], registry=r)
+        self.tier_blocks = Gauge("kvserve_kv_tier_blocks", "KV blocks held by a tier", ["tier"], registry=r)
+        self.tier_used = Gauge("kvserve_kv_tier_used_bytes", "Bytes held by a tier", ["tier"], registry=r)
+        self.tier_errors = Counter("kvserve_kv_tier_errors",
+                                   "Disk tier problems: torn or corrupt files dropped, failed writes, reads "
+                                   "and deletes, writes dropped on a full queue", ["reason"], registry=r)
         self._queried = 0
         self._hit = 0
+        self._tier_seen: dict[tuple, float] = {}
 
     def set_pool(self, *, free: int, request: int, cached: int, usage: float,
                  queried: int, hit: int) -> None:
@@ -68,3 +88,27 @@ class MemsvcMetrics:
         if hit > self._hit:
             self.hits.inc(hit - self._hit)
             self._hit = hit
+
+    def _advance(self, counter: Counter, labels: dict[str, str], total: float) -> None:
+        key = (id(counter), *labels.values())
+        seen = self._tier_seen.get(key, 0)
+        if total > seen:
+            counter.labels(**labels).inc(total - seen)
+            self._tier_seen[key] = total
+
+    def set_tiers(self, tiers: Tiers) -> None:
+        """Advance the tier counters to the tiers' totals and set their gauges."""
+        st = tiers.stats
+        for tier in ("host", "disk"):
+            self._advance(self.tier_hits, {"tier": tier}, st.hits[tier])
+            self._advance(self.tier_bytes, {"tier": tier, "direction": "in"}, st.bytes_in[tier])
+            self._advance(self.tier_bytes, {"tier": tier, "direction": "out"}, st.bytes_out[tier])
+            self._advance(self.tier_seconds, {"tier": tier}, st.seconds[tier])
+        for reason, n in list(st.errors.items()):
+            self._advance(self.tier_errors, {"reason": reason}, n)
+        if tiers.host is not None:
+            self.tier_blocks.labels(tier="host").set(len(tiers.host.blocks))
+            self.tier_used.labels(tier="host").set(tiers.host.bytes)
+        if tiers.disk is not None:
+            self.tier_blocks.labels(tier="disk").set(len(tiers.disk))
+            self.tier_used.labels(tier="disk").set(tiers.disk.bytes)

@@ -20,9 +20,11 @@ import torch
 
 from kvserve.memsvc.allocator import PageAllocator
 from kvserve.memsvc.policy import AdmissionPolicy
-from kvserve.memsvc.radix import CacheListener, Node, RadixCache
+from kvserve.memsvc.radix import CacheListener, Match, Node, RadixCache
+from kvserve.memsvc.tiers import Tiers
 from kvserve.messages.runner_memsvc import (
     REASON_EXHAUSTED,
+    REASON_LOADING,
     Admit,
     AdmitResult,
     Commit,
@@ -73,13 +75,16 @@ class Pool:
 
     def __init__(self, *, size: int, page_size: int, max_reqs: int, max_context_len: int,
                  policy: AdmissionPolicy, req_to_token: torch.Tensor,
-                 listener: CacheListener | None = None) -> None:
+                 listener: CacheListener | None = None, tiers: Tiers | None = None) -> None:
         self.page_size = page_size
         self.max_context_len = max_context_len
         self.policy = policy
         self.req_to_token = req_to_token
         self.allocator = PageAllocator(size, page_size)
-        self.tree = RadixCache(page_size, listener)
+        self.tiers = tiers if tiers is not None and tiers.enabled else None
+        if self.tiers is not None and tiers.block_size % page_size:
+            raise ValueError(f"the tiers' block size {tiers.block_size} is not a multiple of the page size {page_size}")
+        self.tree = RadixCache(page_size, listener, self.tiers.evicted if self.tiers is not None else None)
         self.rows: dict[tuple[int, int], Row] = {}
         self._free_rows = list(range(max_reqs - 1, -1, -1))
         self._request_slots = 0
@@ -128,8 +133,14 @@ class Pool:
         cap = self.policy.admit_capacity(len(tokens), item.max_new_tokens)
         cap = self._round(min(max(cap, len(tokens)), self.max_context_len))
         match = self.tree.match_prefix(tokens[:-1], count=True)
-        cached = len(match.slots)
         self.tree.lock(match.node)
+        if self.tiers is not None:
+            promoted = self._promote(tokens[:-1], match)
+            if promoted is None:
+                self.tree.unlock(match.node)
+                return AdmitResult(item.request_id, False, reason=REASON_LOADING)
+            match = promoted
+        cached = len(match.slots)
         fresh = self._alloc(cap - cached)
         if fresh is None:
             self.tree.unlock(match.node)
@@ -141,6 +152,28 @@ class Pool:
                                            tokens[:cached].copy())
         self._request_slots += len(fresh)
         return AdmitResult(item.request_id, True, row=row_id, cached_len=cached, capacity=cap)
+
+    def _promote(self, tokens: np.ndarray, match: Match) -> Match | None:
+        """Extend the locked `match` with the blocks the lower tiers hold (copied into fresh
+        slots and inserted into the tree); the new locked match, or None while blocks are
+        still being read from disk (nothing changed then)."""
+        assert self.tiers is not None
+        cached = len(match.slots)
+        found = self.tiers.lookup(tokens, cached)
+        if found.loading:
+            return None
+        end = (found.first + len(found.blocks)) * self.tiers.block_size
+        if end <= cached:
+            return match
+        fresh = self._alloc(end - cached)
+        if fresh is None:  # the pool is full: serve the request with what it has
+            return match
+        self.tiers.fill(found, cached, fresh)
+        self.tree.insert(tokens[:end], np.concatenate([match.slots, fresh]))
+        promoted = self.tree.match_prefix(tokens[:end])
+        self.tree.lock(promoted.node)
+        self.tree.unlock(match.node)
+        return promoted
 
     def grow(self, lease: int, item: Grow) -> GrowResult:
         """Make the row hold at least item.capacity slots."""
@@ -175,6 +208,8 @@ class Pool:
             # another request cached these tokens first: use its slots, free ours
             self.allocator.free(row.slots[row.cached_len:present])
         match = self.tree.match_prefix(tokens[:n])
+        if self.tiers is not None and present < n:
+            self.tiers.stored(tokens[:n], present, match.slots)
         self.tree.lock(match.node)
         self.tree.unlock(row.node)
         self._request_slots -= n - row.cached_len

@@ -54,6 +54,13 @@ class CacheListener(Protocol):
         """The positions [start, len(tokens)) of the sequence `tokens` left the cache."""
 
 
+class EvictHook(Protocol):
+    """Told, before a leaf's slots are freed, of the whole sequence it ends and its slots."""
+
+    def __call__(self, tokens: np.ndarray, start: int, slots: np.ndarray) -> None:
+        """Positions [start, len(tokens)) of `tokens` leave; `slots[i]` holds position i."""
+
+
 class PrefixCache(ABC):
     """The cache contract memsvc's pool relies on."""
 
@@ -110,9 +117,11 @@ class PrefixCache(ABC):
 class RadixCache(PrefixCache):
     """Radix tree with LRU eviction of unlocked leaves."""
 
-    def __init__(self, page_size: int = 1, listener: CacheListener | None = None) -> None:
+    def __init__(self, page_size: int = 1, listener: CacheListener | None = None,
+                 on_evict: EvictHook | None = None) -> None:
         self.page_size = page_size
         self.listener = listener
+        self.on_evict = on_evict
         self._tick = 0
         self.root = Node(_EMPTY, _EMPTY, None, 0)
         self.root.lock_ref = 1
@@ -213,9 +222,12 @@ class RadixCache(PrefixCache):
             _, _, leaf = heapq.heappop(heap)
             parent = leaf.parent
             assert parent is not None
-            if self.listener is not None:
+            if self.listener is not None or self.on_evict is not None:
                 path = self.path(leaf)
-                self.listener.removed(path, len(path) - len(leaf.key))
+                if self.listener is not None:
+                    self.listener.removed(path, len(path) - len(leaf.key))
+                if self.on_evict is not None:
+                    self.on_evict(path, len(path) - len(leaf.key), self.path_slots(leaf))
             del parent.children[self._child_key(leaf.key)]
             freed.append(leaf.value)
             got += len(leaf.value)
@@ -240,6 +252,14 @@ class RadixCache(PrefixCache):
             keys.append(node.key)
             node = node.parent  # type: ignore[assignment]
         return np.concatenate(keys[::-1]) if keys else _EMPTY
+
+    def path_slots(self, node: Node) -> np.ndarray:
+        """The slots from the root to the end of `node`."""
+        values = []
+        while node is not self.root:
+            values.append(node.value)
+            node = node.parent  # type: ignore[assignment]
+        return np.concatenate(values[::-1]) if values else _EMPTY
 
     def nodes(self) -> Iterator[Node]:
         """Every node but the root (depth first)."""

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from kvserve import sdnotify
-from kvserve.config import ConfigError, config_from_args, process_parser
+from kvserve.config import ConfigError, config_from_args, parse_size, process_parser
 from kvserve.config.curve import ServerKeys, apply_server, require_curve, server_keys
 from kvserve.config.devices import resolve_device, resolve_dtype
 from kvserve.config.memsvc import MemsvcConfig
@@ -35,6 +35,7 @@ from kvserve.wire import MAX_FRAME_BYTES
 
 if TYPE_CHECKING:
     from kvserve.memsvc.service import MemsvcService
+    from kvserve.memsvc.tiers import TierSettings
 
 log = logging.getLogger("kvserve.memsvc")
 
@@ -161,6 +162,19 @@ class MemsvcServer:
         self.service.close()
 
 
+def tier_settings(cfg: MemsvcConfig) -> TierSettings | None:
+    """The host and disk tiers `cfg` asks for (None: neither), with the model's fingerprint."""
+    from kvserve.memsvc.tiers import TierSettings, model_fingerprint
+    from kvserve.model.files import resolve_model
+
+    host, disk = parse_size(cfg.host_cache_bytes), parse_size(cfg.disk_cache_bytes)
+    if host == 0 and not cfg.disk_cache_dir:
+        return None
+    model = b"explicit layout" if cfg.n_layers is not None else model_fingerprint(Path(resolve_model(cfg.model)))
+    return TierSettings(host_bytes=host, disk_dir=cfg.disk_cache_dir, disk_bytes=disk, model=model,
+                        block_size=cfg.kv_event_block_size)
+
+
 def build_parser() -> argparse.ArgumentParser:
     return process_parser("kvserve memsvc", "Run the KV memory service.", MemsvcConfig, "memsvc")
 
@@ -184,12 +198,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvserve memsvc: error: {exc}", file=sys.stderr)
         return 2
     from kvserve.memsvc.service import MemsvcService  # torch: only once the config is valid
+    from kvserve.memsvc.tiers import TierError
 
+    try:
+        tiers = tier_settings(cfg)
+    except (ConfigError, OSError, ValueError) as exc:  # a model file that cannot be read
+        print(f"kvserve memsvc: error: {exc}", file=sys.stderr)
+        return 2
     try:
         service = MemsvcService(shape, policy=cfg.policy, grow_chunk=cfg.grow_chunk, device=cfg.device,
                                 lease_timeout_s=cfg.lease_timeout_s, lease_grace_s=cfg.lease_grace_s,
                                 reclaim_quarantine_s=cfg.reclaim_quarantine_s,
-                                kv_event_block_size=cfg.kv_event_block_size if cfg.kv_events_endpoint else 0)
+                                kv_event_block_size=cfg.kv_event_block_size if cfg.kv_events_endpoint else 0,
+                                tiers=tiers)
+    except TierError as exc:
+        print(f"kvserve memsvc: error: {exc}", file=sys.stderr)
+        return 2
     except (RuntimeError, ValueError, OSError) as exc:
         print(f"kvserve memsvc: error: cannot allocate the pool: {exc}", file=sys.stderr)
         return 1

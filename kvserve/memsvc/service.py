@@ -30,6 +30,7 @@ from kvserve.memsvc.policy import make_policy
 from kvserve.memsvc.pool import ItemError, Pool
 from kvserve.memsvc.shape import PoolShape
 from kvserve.memsvc.storage import KVStorage, ReqToTokenPool
+from kvserve.memsvc.tiers import Tiers, TierSettings
 from kvserve.messages.runner_memsvc import (
     PROTOCOL_VERSION,
     REPLIES,
@@ -73,7 +74,7 @@ class MemsvcService:
     def __init__(self, shape: PoolShape, *, policy: str, grow_chunk: int, device: str,
                  lease_timeout_s: float, lease_grace_s: float = 0.5,
                  reclaim_quarantine_s: float = 2.0, local_pids: bool = True,
-                 kv_event_block_size: int = 0) -> None:
+                 kv_event_block_size: int = 0, tiers: TierSettings | None = None) -> None:
         self.layout = Layout(
             n_layers=shape.n_layers, n_kv_heads=shape.n_kv_heads, head_dim=shape.head_dim,
             dtype=shape.dtype, size=shape.size, page_size=shape.page_size,
@@ -86,10 +87,19 @@ class MemsvcService:
                                     device=device)
         # the KV events routers read (None: not published)
         self.events = BlockEvents(kv_event_block_size) if kv_event_block_size else None
+        # the host and disk tiers below the pool (None: off)
+        self.tiers = None
+        if tiers is not None and tiers.enabled:
+            try:
+                self.tiers = Tiers.create(self.kv.k_buffer, self.kv.v_buffer, tiers)
+            except BaseException:
+                self.kv.close()
+                self.table.close()
+                raise
         self.pool = Pool(size=shape.size, page_size=shape.page_size, max_reqs=shape.max_reqs,
                          max_context_len=shape.max_context_len,
                          policy=make_policy(policy, grow_chunk), req_to_token=self.table.req_to_token,
-                         listener=self.events)
+                         listener=self.events, tiers=self.tiers)
         self.metrics = MemsvcMetrics()
         self.metrics.info.info({"version": __version__, "policy": policy, "device": device,
                                 "page_size": str(shape.page_size), "slots": str(shape.size)})
@@ -188,8 +198,12 @@ class MemsvcService:
         self.metrics.set_pool(free=p.free_slots, request=p.request_slots, cached=p.cached_slots,
                               usage=p.kv_usage(), queried=p.tree.queried_tokens, hit=p.tree.hit_tokens)
         self.metrics.clients.set(len(self.leases))
+        if self.tiers is not None:
+            self.metrics.set_tiers(self.tiers)
 
     def close(self) -> None:
+        if self.tiers is not None:
+            self.tiers.close()  # the queued disk writes first
         self.kv.close()
         self.table.close()
 

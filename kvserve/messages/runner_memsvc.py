@@ -19,12 +19,17 @@ import msgspec
 
 from kvserve.wire import Codec, Item, Message
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """The shape and meaning of this link's messages; `Attach.protocol` carries the client's.
-Version 2: `AttachReply.lease_ttl_s`, which the runner must honour (lease fencing)."""
+Version 2: `AttachReply.lease_ttl_s`, which the runner must honour (lease fencing).
+Version 3: `AdmitResult.reason` may be `REASON_LOADING` (the KV tiers), which the runner
+must retry."""
 
 REASON_EXHAUSTED = "exhausted"
 """`AdmitResult.reason` / `GrowResult.reason` when the pool (slots or rows) is full now."""
+REASON_LOADING = "loading"
+"""`AdmitResult.reason` while memsvc reads the prompt's cached blocks from its disk tier:
+ask again shortly (the request keeps its place; others go on)."""
 
 
 class Layout(Item):

@@ -18,12 +18,23 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.messages.runner_memsvc import REASON_EXHAUSTED, Admit, Commit, Grow, Layout, Release
+from kvserve.messages.runner_memsvc import (
+    REASON_EXHAUSTED,
+    REASON_LOADING,
+    Admit,
+    Commit,
+    Grow,
+    Layout,
+    Release,
+)
 from kvserve.runner.requests import Request, RequestTable, State
 
 ADMIT_RETRY_S = 0.05
 """After memsvc refuses an admission as exhausted, wait this long before asking again
 (unless this runner frees something first)."""
+LOADING_RETRY_S = 0.005
+"""After memsvc answers that a prompt's cached blocks are on their way from its disk tier,
+ask again for that request after this long; the requests behind it are admitted meanwhile."""
 
 Work = list[tuple[Request, int]]
 """The step's requests and how many tokens each computes in the forward."""
@@ -90,13 +101,18 @@ class KVPlanner:
         room = self.max_running - len(table.running)
         if now < self._admit_retry_at and not self.releases:
             room = 0  # the pool refused an admission just now and we freed nothing since
+        loading: list[Request] = []  # their blocks are still on the way: passed over this time
         while table.waiting and budget > 0 and room > 0:
             req = table.waiting.popleft()
+            if req.load_wait_until > now:
+                loading.append(req)
+                continue
             n = req.next_extend(self.chunk_size, budget)
             req.mem_id, self._next_mem_id = self._next_mem_id, self._next_mem_id + 1
             step.admitting.append((req, n))
             budget -= n
             room -= 1
+        table.requeue_front(loading)
         return step
 
     def needs_memsvc(self, step: StepPlan) -> bool:
@@ -163,12 +179,18 @@ class KVPlanner:
         exhausted pool refused; return the ones refused for another reason."""
         results = {a.request_id: a for a in reply.admitted}
         blocked: list[Request] = []
+        loading: list[Request] = []
         failed: list[tuple[Request, str]] = []
         for req, n in step.admitting:
             res = results.get(req.mem_id)
             if res is not None and not res.ok and res.reason == REASON_EXHAUSTED:
                 req.mem_id = -1
                 blocked.append(req)
+                continue
+            if res is not None and not res.ok and res.reason == REASON_LOADING:
+                req.mem_id = -1
+                req.load_wait_until = now + LOADING_RETRY_S
+                loading.append(req)
                 continue
             if res is None or not res.ok:
                 why = res.reason if res is not None else "; ".join(reply.errors) or "no admit result"
@@ -182,7 +204,7 @@ class KVPlanner:
             req.admitted_seq, self._admit_seq = self._admit_seq, self._admit_seq + 1
             table.start(req)
             step.work.append((req, min(n, len(req.tokens) - req.computed)))
-        table.requeue_front(blocked)
+        table.requeue_front(loading + blocked)
         self._admit_retry_at = now + ADMIT_RETRY_S if blocked else 0.0
         return failed
 

@@ -47,6 +47,7 @@ class Request:
     cached_tokens: int = -1  # prompt tokens served from the prefix cache (first admission)
     queue_time: float = -1.0
     first_sent: bool = False
+    load_wait_until: float = 0.0  # memsvc reads this prompt's cached blocks: not asked again before
 
     @property
     def num_output(self) -> int:

@@ -17,7 +17,7 @@ from kvserve.memsvc.client import LeaseExpired, MemClient
 from kvserve.memsvc.integrity import check_integrity
 from kvserve.memsvc.service import MemsvcService
 from kvserve.memsvc.shape import PoolShape
-from kvserve.messages.runner_memsvc import REPLIES, REQUESTS, Admit, Attach, AttachReply, Step
+from kvserve.messages.runner_memsvc import PROTOCOL_VERSION, REPLIES, REQUESTS, Admit, Attach, AttachReply, Step
 
 TTL, GRACE, QUARANTINE = 1.5, 0.5, 2.0
 SHAPE = PoolShape(n_layers=1, n_kv_heads=1, head_dim=4, dtype="float32", size=48, max_reqs=4,
@@ -35,7 +35,7 @@ def _ask(svc: MemsvcService, msg: object) -> object:
 
 def _attach(svc: MemsvcService, pid: int) -> int:
     reply = _ask(svc, Attach(name=f"r{pid}", pid=pid, host=socket.gethostname(), n_layers=1, n_kv_heads=1,
-                             head_dim=4, dtype="float32", protocol=2))
+                             head_dim=4, dtype="float32", protocol=PROTOCOL_VERSION))
     assert isinstance(reply, AttachReply) and reply.lease_ttl_s == TTL
     return reply.lease
 
