@@ -69,7 +69,8 @@ class _WeightOnly:
         shape = x.shape
         if self.dense is not None and x.numel() > DENSE_ROWS * shape[-1]:
             return F.linear(x, self.dense.to(x.dtype), self.bias)
-        y = self._mm(x.reshape(-1, shape[-1]).to(ACT)).to(x.dtype).reshape(*shape[:-1], -1)
+        y = self._mm(x.reshape(-1, shape[-1]).to(ACT)).to(x.dtype)
+        y = y.reshape(*shape[:-1], y.shape[-1])  # not -1: a step may ask no logits (0 rows)
         return y if self.bias is None else y + self.bias
 
 

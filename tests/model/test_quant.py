@@ -112,6 +112,15 @@ def test_int4_kernel_computes_with_the_grid_weight() -> None:
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_no_rows_give_no_rows(mode: str) -> None:
+    """A step whose requests are all mid-prefill asks the head for no logits: [0, K] -> [0, N]
+    (the runner died of a reshape of it before)."""
+    lin = quantize(mode, torch.randn(96, 64), None, dense=True)
+    assert lin(torch.randn(0, 64)).shape == (0, 96)
+    assert lin(torch.randn(2, 0, 64)).shape == (2, 0, 96)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_large_batches_take_the_dense_copy_of_the_same_weights(mode: str) -> None:
     torch.manual_seed(3)
     w = torch.randn(96, 128, dtype=torch.bfloat16)
