@@ -17,7 +17,15 @@ from kvserve.memsvc.client import LeaseExpired, MemClient
 from kvserve.memsvc.integrity import check_integrity
 from kvserve.memsvc.service import MemsvcService
 from kvserve.memsvc.shape import PoolShape
-from kvserve.messages.runner_memsvc import PROTOCOL_VERSION, REPLIES, REQUESTS, Admit, Attach, AttachReply, Step
+from kvserve.messages.runner_memsvc import (
+    PROTOCOL_VERSION,
+    REPLIES,
+    REQUESTS,
+    Admit,
+    Attach,
+    AttachReply,
+    Step,
+)
 
 TTL, GRACE, QUARANTINE = 1.5, 0.5, 2.0
 SHAPE = PoolShape(n_layers=1, n_kv_heads=1, head_dim=4, dtype="float32", size=48, max_reqs=4,

@@ -1,7 +1,8 @@
 """`kvserve serve` on the embedded default model (a Q4_1 GGUF) with its default
 `--quantization auto`: the runner serves it through torch's int4 CPU kernel (its info metric
-says so), and a greedy chat over gRPC gives, token for token, what the same int4 model gives
-in this process through the same attention backend.
+says so), a greedy chat over gRPC gives, token for token, what the same int4 model gives in
+this process through the same attention backend, and a prompt longer than one prefill chunk
+is served.
 
 Whether int4's greedy answer equals the float model's depends on the CPU's rounding in places
 (bench/quant_fidelity.py measures the agreement; README.md has it): this test pins the
@@ -40,6 +41,11 @@ def test_default_serve_runs_the_q4_1_file_int4_and_equals_the_int4_model(tmp_pat
             chat=pb.Chat(messages=[pb.ChatMessage(role="user", content=QUESTION)]),
             sampling=pb.SamplingParams(max_new_tokens=NEW, temperature=0, ignore_eos=True))
         served = [t for m in svc.stub.Generate(req, timeout=300) for t in m.token_ids]
+        # a prompt longer than a chunk (512): its first step asks the head for no logits
+        long = pb.GenerateRequest(text="Paris is the capital of France. " * 100,
+                                  sampling=pb.SamplingParams(max_new_tokens=2, temperature=0))
+        msgs = list(svc.stub.Generate(long, timeout=300))
+        assert msgs[-1].usage.prompt_tokens > 512 and msgs[-1].usage.completion_tokens == 2
     finally:
         assert stop_serve(svc) == 0
 
