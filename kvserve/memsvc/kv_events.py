@@ -3,8 +3,10 @@
 `BlockEvents` listens to the radix cache and turns what enters and leaves it into vLLM-format
 events over aligned blocks of `block_size` tokens from position 0: `BlockStored` when a block
 becomes complete in the cache, `BlockRemoved` when any of its tokens is evicted,
-`AllBlocksCleared` first (memsvc starts empty). A block's hash is SHA-256 over the token ids
-(uint32 little-endian) of the whole sequence up to the block's end: the same content hashes
+`AllBlocksCleared` first (memsvc starts empty). The tiers below the pool tell it of their
+blocks too (`tier_stored`, `tier_removed`: medium "CPU" for host memory, "DISK"). A block's
+hash is SHA-256 over the token ids (uint32 little-endian) of the whole sequence up to the
+block's end: the same content hashes
 the same on every node, a block's parent is the hash of the sequence one block shorter, and
 no two different prefixes share a hash.
 
@@ -64,7 +66,8 @@ class BlockEvents:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self._cleared = True  # memsvc starts empty: AllBlocksCleared comes first
-        self._pending: list[tuple[bool, np.ndarray, int]] = []  # (stored?, ids up to the last block, first)
+        # (stored?, ids up to the last block, first) of the pool, or a built event of a lower tier
+        self._pending: list[tuple[bool, np.ndarray, int] | BlockStored | BlockRemoved] = []
         self.stored_blocks = 0
         self.removed_blocks = 0
 
@@ -91,6 +94,19 @@ class BlockEvents:
     def removed(self, tokens: np.ndarray, start: int) -> None:
         self._queue(False, tokens, start)
 
+    # ---- the tiers below the pool (kvserve.memsvc.tiers.TierListener) ----------------------
+    def chain(self, tokens: np.ndarray, first: int, last: int) -> tuple[bytes | None, list[bytes]]:
+        """(hash of block first-1 or None, hashes of blocks first..last-1) of `tokens`."""
+        return self._hashes(np.array(tokens[: last * self.block_size], dtype="<u4"), first, last)
+
+    def tier_stored(self, medium: str, parent: bytes | None, hashes: list[bytes], token_ids: np.ndarray) -> None:
+        self._pending.append(BlockStored(block_hashes=hashes, parent_block_hash=parent,
+                                         token_ids=[int(t) for t in token_ids], block_size=self.block_size,
+                                         medium=medium))
+
+    def tier_removed(self, medium: str, hashes: list[bytes]) -> None:
+        self._pending.append(BlockRemoved(block_hashes=hashes, medium=medium))
+
     @property
     def pending(self) -> bool:
         """Whether `take()` has events to give."""
@@ -102,7 +118,15 @@ class BlockEvents:
         self._cleared = False
         pending, self._pending = self._pending, []
         b = self.block_size
-        for stored, ids, first in pending:
+        for item in pending:
+            if isinstance(item, BlockStored | BlockRemoved):
+                out.append(item)
+                if isinstance(item, BlockStored):
+                    self.stored_blocks += len(item.block_hashes)
+                else:
+                    self.removed_blocks += len(item.block_hashes)
+                continue
+            stored, ids, first = item
             parent, hashes = self._hashes(ids, first, len(ids) // b)
             if stored:
                 out.append(BlockStored(block_hashes=hashes, parent_block_hash=parent,

@@ -118,6 +118,7 @@ class MemsvcServer:
                     sock.send_multipart([ident, reply])
                 last_msg = time.monotonic()
             if self.publisher is not None:
+                svc.poll_tiers()
                 self._publish(ready)
             now = time.monotonic()
             if now - last_reap >= REAP_INTERVAL_S:

@@ -92,6 +92,7 @@ class MemsvcService:
         if tiers is not None and tiers.enabled:
             try:
                 self.tiers = Tiers.create(self.kv.k_buffer, self.kv.v_buffer, tiers)
+                self.tiers.tell(self.events)  # their blocks in the KV events (None: not published)
             except BaseException:
                 self.kv.close()
                 self.table.close()
@@ -200,6 +201,11 @@ class MemsvcService:
         self.metrics.clients.set(len(self.leases))
         if self.tiers is not None:
             self.metrics.set_tiers(self.tiers)
+
+    def poll_tiers(self) -> None:
+        """Hand the disk tier's finished writes and deletions to the KV events."""
+        if self.tiers is not None:
+            self.tiers.poll_events()
 
     def close(self) -> None:
         if self.tiers is not None:

@@ -42,6 +42,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -51,7 +52,10 @@ log = logging.getLogger("kvserve.memsvc")
 FORMAT_VERSION = 1
 MAGIC = b"KVSVBLK\0"
 SUFFIX = ".kvb"
-_HEADER = struct.Struct("<8sII32s32sIIIIIQ32s")  # magic version block identity key L H D dtype 0 body sha
+_HEADER = struct.Struct("<8sII32s32sIIIIIQ32s32s32s")
+"""magic, version, block size, identity, key, L, H, D, dtype code, block index, body length,
+body SHA-256, the block's KV-event hash and its parent's (zeros for block 0)"""
+_NO_HASH = bytes(32)
 DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3}
 MAX_QUEUED_WRITES = 4096
 """Blocks waiting for the disk writer; above it new writes are dropped (and counted)."""
@@ -130,12 +134,29 @@ def block_keys(identity: bytes, tokens: np.ndarray, block_size: int, last: int) 
     return out
 
 
+class TierListener(Protocol):
+    """Told what enters and leaves the host ("CPU") and disk ("DISK") tiers, in the terms of
+    the KV events routers read (`kv_events.BlockEvents`)."""
+
+    def chain(self, tokens: np.ndarray, first: int, last: int) -> tuple[bytes | None, list[bytes]]:
+        """(event hash of block first-1 or None, event hashes of blocks first..last-1) of `tokens`."""
+
+    def tier_stored(self, medium: str, parent: bytes | None, hashes: list[bytes], token_ids: np.ndarray) -> None:
+        """Blocks `hashes` (their tokens `token_ids`) are now held in `medium`."""
+
+    def tier_removed(self, medium: str, hashes: list[bytes]) -> None:
+        """Blocks `hashes` left `medium`."""
+
+
 @dataclass(slots=True)
 class Block:
-    """One block's KV in host memory: k, v of shape [n_layers, block_size, n_kv_heads, head_dim]."""
+    """One block's KV in host memory: k, v of shape [n_layers, block_size, n_kv_heads, head_dim];
+    `event` its KV-event hash (for the host tier's removal event), `parent` its parent's."""
 
     k: torch.Tensor
     v: torch.Tensor
+    event: bytes | None = None
+    parent: bytes | None = None
 
     @property
     def nbytes(self) -> int:
@@ -159,14 +180,19 @@ class HostTier:
             self.blocks.move_to_end(key)
         return block
 
-    def put(self, key: bytes, block: Block) -> None:
+    def put(self, key: bytes, block: Block) -> list[Block] | None:
+        """Keep `block` (None when it is not taken: held already, or larger than the bound);
+        the blocks dropped to make room."""
         if key in self.blocks or block.nbytes > self.capacity:
-            return
+            return None
         self.blocks[key] = block
         self.bytes += block.nbytes
+        dropped = []
         while self.bytes > self.capacity:
             _, old = self.blocks.popitem(last=False)
             self.bytes -= old.nbytes
+            dropped.append(old)
+        return dropped
 
 
 @dataclass(slots=True)
@@ -205,14 +231,19 @@ class DiskTier:
                             "(one memsvc per directory)") from None
         self.dir = self.root / identity.hex()[:32]
         self._mutex = threading.Lock()
-        self.index: OrderedDict[bytes, int] = OrderedDict()  # key -> file bytes, LRU first
-        self.bytes = 0
+        # key -> the block's KV-event hash (None until announced: files of a previous memsvc), LRU first
+        self.index: OrderedDict[bytes, bytes | None] = OrderedDict()
+        self.removed: list[bytes] = []  # event hashes of deleted files, for the loop's events
         self.writable = True
         try:
             self.dir.mkdir(exist_ok=True)
         except OSError as exc:
             self._failed("mkdir", exc)
         self._scan()
+
+    @property
+    def bytes(self) -> int:
+        return len(self.index) * self.shape.file_bytes
 
     def _path(self, key: bytes) -> Path:
         return self.dir / (key.hex() + SUFFIX)
@@ -241,10 +272,9 @@ class DiskTier:
             if len(key) != 32 or st.st_size != self.shape.file_bytes:
                 self._unlink(Path(entry.path), "torn")
                 continue
-            found.append((st.st_mtime, key, st.st_size))
-        for _, key, size in sorted(found, key=lambda t: t[0]):
-            self.index[key] = size
-            self.bytes += size
+            found.append((st.st_mtime, key))
+        for _, key in sorted(found):
+            self.index[key] = None
         self._trim()
         if self.index:
             log.info("memsvc: disk tier %s: %d blocks (%.1f MiB) from before", self.dir, len(self.index),
@@ -261,9 +291,10 @@ class DiskTier:
         with self._mutex:
             drop = []
             while self.bytes > self.capacity and self.index:
-                key, size = self.index.popitem(last=False)
-                self.bytes -= size
+                key, event = self.index.popitem(last=False)
                 drop.append(key)
+                if event is not None:
+                    self.removed.append(event)
         for key in drop:
             try:
                 self._path(key).unlink()
@@ -277,8 +308,14 @@ class DiskTier:
     def __len__(self) -> int:
         return len(self.index)
 
-    def write(self, key: bytes, tokens: np.ndarray, block: Block) -> bool:
-        """Write one block (atomically: temporary file, sync, rename); False when the disk refused."""
+    def take_removed(self) -> list[bytes]:
+        with self._mutex:
+            out, self.removed = self.removed, []
+        return out
+
+    def write(self, key: bytes, index: int, tokens: np.ndarray, block: Block) -> bool:
+        """Write block number `index` (atomically: temporary file, sync, rename); False when
+        the disk refused it or holds it already."""
         if not self.writable or key in self:
             return False
         body = [np.asarray(tokens, dtype="<u4").tobytes(), _raw(block.k), _raw(block.v)]
@@ -287,7 +324,8 @@ class DiskTier:
             digest.update(part)
         s = self.shape
         header = _HEADER.pack(MAGIC, FORMAT_VERSION, s.block_size, self.identity, key, s.n_layers, s.n_kv_heads,
-                              s.head_dim, DTYPE_CODES[s.dtype], 0, sum(map(len, body)), digest.digest())
+                              s.head_dim, DTYPE_CODES[s.dtype], index, sum(map(len, body)), digest.digest(),
+                              block.event or _NO_HASH, block.parent or _NO_HASH)
         path = self._path(key)
         tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
         try:
@@ -306,12 +344,11 @@ class DiskTier:
                 pass  # the directory itself is gone or refused: nothing was left in it
             return False
         with self._mutex:
-            self.index[key] = s.file_bytes
-            self.bytes += s.file_bytes
+            self.index[key] = block.event
         self._trim()
         return True
 
-    def read(self, key: bytes, device: str = "cpu") -> Block | None:
+    def read(self, key: bytes) -> Block | None:
         """The block, checked against its header and checksum; None (and the file deleted)
         when anything does not hold."""
         path = self._path(key)
@@ -331,18 +368,46 @@ class DiskTier:
                 self.index.move_to_end(key)
         return block
 
+    def unannounced(self) -> list[tuple[int, bytes, bytes | None, np.ndarray]]:
+        """(block index, event hash, parent's, token ids) of the files a previous memsvc left,
+        read from their headers, block 0 first; each is then known as announced. A file whose
+        header does not hold is left for `read` to drop."""
+        with self._mutex:
+            keys = [k for k, event in self.index.items() if event is None]
+        out = []
+        for key in keys:
+            try:
+                with open(self._path(key), "rb") as fh:
+                    head = fh.read(_HEADER.size + 4 * self.shape.block_size)
+            except OSError:
+                continue
+            if len(head) != _HEADER.size + 4 * self.shape.block_size:
+                continue
+            fields = _HEADER.unpack_from(head)
+            if fields[:5] != (MAGIC, FORMAT_VERSION, self.shape.block_size, self.identity, key):
+                continue
+            event, parent = fields[12], fields[13]
+            if event == _NO_HASH:
+                continue
+            tokens = np.frombuffer(head[_HEADER.size:], dtype="<u4")
+            out.append((fields[9], event, parent if fields[9] > 0 else None, tokens))
+            with self._mutex:
+                if key in self.index:
+                    self.index[key] = event
+        return sorted(out, key=lambda t: t[0])
+
     def _forget(self, key: bytes) -> None:
         with self._mutex:
-            size = self.index.pop(key, None)
-            if size is not None:
-                self.bytes -= size
+            event = self.index.pop(key, None)
+            if event is not None:
+                self.removed.append(event)
 
     def _decode(self, key: bytes, data: bytes) -> Block | None:
         s = self.shape
         if len(data) != s.file_bytes:
             return None
         (magic, version, block_size, identity, file_key, n_layers, n_kv_heads, head_dim, dtype_code, _,
-         body_len, digest) = _HEADER.unpack_from(data)
+         body_len, digest, event, parent) = _HEADER.unpack_from(data)
         body = memoryview(data)[_HEADER.size:]
         if ((magic, version, block_size, identity, file_key) != (MAGIC, FORMAT_VERSION, s.block_size,
                                                                  self.identity, key)
@@ -356,7 +421,7 @@ class DiskTier:
         dtype = getattr(torch, s.dtype)
         k = torch.frombuffer(bytearray(kv[:half]), dtype=dtype).view(shape)
         v = torch.frombuffer(bytearray(kv[half:]), dtype=dtype).view(shape)
-        return Block(k, v)
+        return Block(k, v, None if event == _NO_HASH else event, None if parent == _NO_HASH else parent)
 
     def close(self) -> None:
         os.close(self._lock_fd)
@@ -369,28 +434,32 @@ def _raw(t: torch.Tensor) -> bytes:
 
 
 class DiskWorker:
-    """The thread that does the disk tier's reads (first) and writes (after)."""
+    """The thread that does the disk tier's reads (first) and writes (after). It starts by
+    reading the headers of the files a previous memsvc left, to announce them (`stored`)."""
 
     def __init__(self, disk: DiskTier, stats: TierStats) -> None:
         self.disk, self.stats = disk, stats
         self._cv = threading.Condition()
-        self._writes: deque[tuple[bytes, np.ndarray, Block]] = deque()
+        self._writes: deque[tuple[bytes, int, np.ndarray, Block]] = deque()
         self._reads: deque[bytes] = deque()
         self.reading: set[bytes] = set()  # asked for and not yet staged
         self.queued: set[bytes] = set()  # writes waiting
         self.done: deque[tuple[bytes, Block | None]] = deque()  # reads finished, for the loop
+        # blocks on disk now, for the loop's events: (event hash, parent's, token ids)
+        self.stored: deque[tuple[bytes, bytes | None, np.ndarray]] = deque()
+        self._announce = False  # `announce()` asks for it (when KV events are published)
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="kv-disk-tier", daemon=True)
         self._thread.start()
 
-    def write(self, key: bytes, tokens: np.ndarray, block: Block) -> None:
+    def write(self, key: bytes, index: int, tokens: np.ndarray, block: Block) -> None:
         with self._cv:
             if key in self.queued:
                 return
             if len(self._writes) >= MAX_QUEUED_WRITES:
                 self.stats.error("queue_full")
                 return
-            self._writes.append((key, tokens, block))
+            self._writes.append((key, index, tokens, block))
             self.queued.add(key)
             self._cv.notify()
 
@@ -402,11 +471,30 @@ class DiskWorker:
                     self._reads.append(key)
             self._cv.notify()
 
+    def announce(self) -> None:
+        """Read the headers of the files a previous memsvc left, to announce them (`stored`)."""
+        with self._cv:
+            self._announce = True
+            self._cv.notify()
+
+    def _announce_old(self) -> None:
+        try:
+            for _, event, parent, tokens in self.disk.unannounced():
+                with self._cv:
+                    self.stored.append((event, parent, tokens))
+        except Exception:  # noqa: BLE001 - the thread must outlive any file it meets
+            log.exception("memsvc: disk tier: announcing the blocks from before")
+
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not (self._stop or self._reads or self._writes):
+                while not (self._stop or self._reads or self._writes or self._announce):
                     self._cv.wait()
+                announce, self._announce = self._announce, False
+            if announce:
+                self._announce_old()
+                continue
+            with self._cv:
                 if self._stop and not self._writes and not self._reads:
                     return
                 read = self._reads.popleft() if self._reads else None
@@ -424,7 +512,7 @@ class DiskWorker:
                         self.queued.discard(job[0])
             self.stats.seconds["disk"] += time.perf_counter() - t0
 
-    def _do(self, read: bytes | None, job: tuple[bytes, np.ndarray, Block] | None) -> None:
+    def _do(self, read: bytes | None, job: tuple[bytes, int, np.ndarray, Block] | None) -> None:
         if read is not None:
             block = self.disk.read(read)
             with self._cv:
@@ -433,9 +521,12 @@ class DiskWorker:
                 self.stats.bytes_out["disk"] += block.nbytes
             return
         assert job is not None
-        key, tokens, block = job
-        if self.disk.write(key, tokens, block):
+        key, index, tokens, block = job
+        if self.disk.write(key, index, tokens, block):
             self.stats.bytes_in["disk"] += block.nbytes
+            with self._cv:
+                if block.event is not None:
+                    self.stored.append((block.event, block.parent, tokens))
         with self._cv:
             self.queued.discard(key)
 
@@ -510,6 +601,7 @@ class Tiers:
         self.staged: OrderedDict[bytes, Block] = OrderedDict()  # read from disk, for the next admission
         self._staged_bytes = 0
         self._pin = k_buffer.device.type == "cuda" and torch.cuda.is_available()
+        self.listener: TierListener | None = None  # the KV events ("CPU", "DISK" blocks): `tell`
 
     @property
     def enabled(self) -> bool:
@@ -539,8 +631,14 @@ class Tiers:
             return []
         idx = np.concatenate([slots[i * b:(i + 1) * b] for i, _ in chosen])
         k, v = self._copy_out(idx)
-        return [(i, key, Block(k[:, j * b:(j + 1) * b].clone(), v[:, j * b:(j + 1) * b].clone()))
-                for j, (i, key) in enumerate(chosen)]
+        out = [(i, key, Block(k[:, j * b:(j + 1) * b].clone(), v[:, j * b:(j + 1) * b].clone()))
+               for j, (i, key) in enumerate(chosen)]
+        if self.listener is not None:  # the blocks' KV-event hashes, for the tiers' events
+            parent, hashes = self.listener.chain(tokens, first, last)
+            for i, _, block in out:
+                block.event = hashes[i - first]
+                block.parent = hashes[i - first - 1] if i > first else parent
+        return out
 
     def stored(self, tokens: np.ndarray, start: int, slots: np.ndarray) -> None:
         """`tokens` (with `slots` from position 0) entered the pool from position `start`:
@@ -551,7 +649,7 @@ class Tiers:
         t0 = time.perf_counter()
         for i, key, block in self._blocks(tokens, start, slots,
                                            lambda k: k not in disk and k not in worker.queued):
-            worker.write(key, tokens[i * self.block_size:(i + 1) * self.block_size].copy(), block)
+            worker.write(key, i, tokens[i * self.block_size:(i + 1) * self.block_size].copy(), block)
         self.stats.seconds["disk"] += time.perf_counter() - t0
 
     def evicted(self, tokens: np.ndarray, start: int, slots: np.ndarray) -> None:
@@ -559,12 +657,39 @@ class Tiers:
         in the host tier (the disk has them already)."""
         if self.host is None:
             return
-        host = self.host
+        host, b, ev = self.host, self.block_size, self.listener
         t0 = time.perf_counter()
-        for _, key, block in self._blocks(tokens, start, slots, lambda k: k not in host):
-            host.put(key, block)
+        for i, key, block in self._blocks(tokens, start, slots, lambda k: k not in host):
+            dropped = host.put(key, block)
+            if dropped is None:
+                continue
             self.stats.bytes_in["host"] += block.nbytes
+            if ev is not None and block.event is not None:
+                ev.tier_stored("CPU", block.parent, [block.event], tokens[i * b:(i + 1) * b])
+                gone = [d.event for d in dropped if d.event is not None]
+                if gone:
+                    ev.tier_removed("CPU", gone)
         self.stats.seconds["host"] += time.perf_counter() - t0
+
+    def tell(self, listener: TierListener | None) -> None:
+        """Send the tiers' blocks to `listener` from now on (the disk's blocks from before too)."""
+        self.listener = listener
+        if listener is not None and self.worker is not None:
+            self.worker.announce()
+
+    def poll_events(self) -> None:
+        """Tell the listener of the blocks the disk worker wrote (or found from before) and
+        deleted since the last call."""
+        if self.listener is None or self.worker is None or self.disk is None:
+            return
+        w = self.worker
+        with w._cv:
+            stored, w.stored = list(w.stored), deque()
+        for event, parent, tokens in stored:
+            self.listener.tier_stored("DISK", parent, [event], tokens)
+        removed = self.disk.take_removed()
+        if removed:
+            self.listener.tier_removed("DISK", removed)
 
     def _take_reads(self) -> None:
         """Stage the blocks the worker has read since the last call."""

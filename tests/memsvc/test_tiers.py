@@ -227,8 +227,8 @@ def test_disk_bound_deletes_the_least_recent_files(tmp_path: Path) -> None:
     disk = DiskTier(tmp_path, 3 * shape.file_bytes, identity_digest(b"m", shape), shape, stats)
     blk = Block(torch.ones(LAYERS, BLOCK, HEADS, DIM), torch.zeros(LAYERS, BLOCK, HEADS, DIM))
     keys = [bytes([i]) * 32 for i in range(5)]
-    for key in keys:
-        assert disk.write(key, np.arange(BLOCK), blk)
+    for i, key in enumerate(keys):
+        assert disk.write(key, i, np.arange(BLOCK), blk)
     assert list(disk.index) == keys[2:] and disk.bytes == 3 * shape.file_bytes
     assert sorted(p.name for p in disk.dir.iterdir()) == sorted(key.hex() + SUFFIX for key in keys[2:])
     disk.close()
@@ -244,4 +244,47 @@ def test_a_failing_disk_is_counted_and_the_pool_goes_on(tmp_path: Path) -> None:
     assert tiers.stats.errors.get("write") == 5 and len(tiers.disk) == 0
     evict_all(pool)
     held_kv(pool, k, v, 1, PROMPT, 20)  # the host tier still serves
+    tiers.close()
+
+
+def test_kv_events_tell_the_router_which_medium_holds_each_block(tmp_path: Path) -> None:
+    from kvserve.memsvc.kv_events import BlockEvents
+    from kvserve.messages.kv_events import BlockRemoved, BlockStored
+
+    def events(pool: Pool, tiers: Tiers, ev: BlockEvents) -> list[tuple[str, str, list[bytes], bytes | None]]:
+        tiers.poll_events()
+        return [(type(e).__name__, e.medium, e.block_hashes, getattr(e, "parent_block_hash", None))
+                for e in ev.take() if isinstance(e, BlockStored | BlockRemoved)]
+
+    def with_events(pool: Pool, tiers: Tiers) -> BlockEvents:
+        ev = BlockEvents(BLOCK)
+        pool.tree.listener = ev
+        tiers.tell(ev)
+        return ev
+
+    pool, tiers, k, v = make_pool(tmp_path, host_bytes=3 * BlockShape(LAYERS, HEADS, DIM, "float32", BLOCK).kv_bytes)
+    ev = with_events(pool, tiers)
+    run(pool, k, v, 0, PROMPT)
+    assert tiers.flush()
+    _, hashes = ev.chain(np.array(PROMPT), 0, 5)
+    got = events(pool, tiers, ev)
+    assert got[0] == ("BlockStored", "GPU", hashes, None)
+    assert sorted(got[1:], key=lambda e: hashes.index(e[2][0])) == [
+        ("BlockStored", "DISK", [h], hashes[i - 1] if i else None) for i, h in enumerate(hashes)]
+    evict_all(pool)
+    got = events(pool, tiers, ev)
+    assert got[0] == ("BlockRemoved", "GPU", hashes, None)
+    cpu = got[1:]  # 5 blocks into a host tier of 3: the first two in, then out again
+    stored = [e[2][0] for e in cpu if e[0] == "BlockStored"]
+    removed = [h for e in cpu if e[0] == "BlockRemoved" for h in e[2]]
+    assert all(e[1] == "CPU" for e in cpu) and stored == hashes and removed == hashes[:2]
+    tiers.close()
+    pool, tiers, k, v = make_pool(tmp_path, host_bytes=0)  # a warm restart announces the disk's blocks
+    ev = with_events(pool, tiers)
+    end = time.monotonic() + 10
+    got: list = []
+    while len(got) < 5 and time.monotonic() < end:
+        got += events(pool, tiers, ev)
+        time.sleep(0.01)
+    assert got == [("BlockStored", "DISK", [h], hashes[i - 1] if i else None) for i, h in enumerate(hashes)]
     tiers.close()
