@@ -5,10 +5,12 @@
 `kvserve serve` with the embedded default model and serve's default dtype and quantization,
 three times: tiers off, a host tier of 2x the pool, that host tier plus a disk tier. Each run
 first asks every prefix once (warm-up, not measured). Reported per run: TTFT p50 / p99 of the
-questions, prompt tokens computed (prompt minus cached) and the requests' cache hits.
+questions, the mean wait from arrival to admission (the frontend's queue-time histogram),
+prompt tokens computed (prompt minus cached) and the requests' cache hits; then
+TTFT p50 of 16 more questions asked one at a time (no queueing for pool slots).
 
-Then the restart: kill -9 of memsvc in the host + disk run; serve brings it back, and the
-first request on a known prefix (the new memsvc has only the disk tier) is timed against the
+Then the restart: kill -9 of memsvc in the host + disk run; serve brings it back (a new
+memsvc with the runner attached again), and the first request on a known prefix (the new memsvc has only the disk tier) is timed against the
 cold prefill of a prefix never seen.
 
 The CPU's flags are printed beside the figures.
@@ -37,6 +39,7 @@ from kvserve.v1 import generator_pb2 as pb
 PREFIXES, PREFIX_LEN, QUESTION_LEN, NEW = 16, 1024, 24, 16
 POOL_TOKENS = PREFIXES * PREFIX_LEN // 4
 STREAMS = 8
+ALONE = 16  # questions asked one at a time after the load
 VOCAB = 49152  # the default model's
 KV_BYTES_PER_TOKEN_BF16 = 2 * 30 * 3 * 64 * 2  # the default model: layers x KV heads x head dim, K and V
 
@@ -102,6 +105,24 @@ def run_load(svc: Service, prompts: list[list[int]]) -> list[dict]:
     return out
 
 
+def queue_wait(svc: Service) -> tuple[float, float]:
+    """(seconds, requests) the frontend counted in its queue-time histogram so far: the wait
+    from arrival to the runner's admission."""
+    return (svc.metric(0, "kvserve_request_queue_time_seconds_sum"),
+            svc.metric(0, "kvserve_request_queue_time_seconds_count"))
+
+
+def tier_hits(svc: Service) -> dict[str, float]:
+    """Prompt tokens memsvc served from each tier so far."""
+    out = {}
+    for tier in ("host", "disk"):
+        try:
+            out[tier] = svc.metric(1, f'kvserve_kv_tier_hit_tokens_total{{tier="{tier}"}}')
+        except (LookupError, ValueError, OSError):  # no such tier in this run
+            out[tier] = 0.0
+    return out
+
+
 def pct(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
 
@@ -113,25 +134,35 @@ def one_run(name: str, extra: list[str], prefixes: list[list[int]], n_questions:
     try:
         for p in prefixes:  # warm-up: each prefix once
             timed(svc, p + [7])
+        waited, hits = queue_wait(svc), tier_hits(svc)
         t0 = time.perf_counter()
         res = run_load(svc, questions(random.Random(seed), prefixes, n_questions))
         wall = time.perf_counter() - t0
+        waited = [b - a for a, b in zip(waited, queue_wait(svc), strict=True)]
+        hits = {tier: n - hits[tier] for tier, n in tier_hits(svc).items()}
         ttfts = [r["ttft"] for r in res]
+        # the same kind of questions one at a time: no request waits for another's slots
+        alone = [timed(svc, p)["ttft"] for p in questions(random.Random(seed + 2), prefixes, ALONE)]
         row = {"run": name, "requests": len(res), "wall_s": round(wall, 1),
                "ttft_p50_s": round(pct(ttfts, 50), 3), "ttft_p99_s": round(pct(ttfts, 99), 3),
+               "alone_ttft_p50_s": round(pct(alone, 50), 3),
+               "queue_wait_mean_s": round(waited[0] / max(waited[1], 1), 3),
                "prompt_tokens": sum(r["prompt"] for r in res),
                "computed_tokens": sum(r["prompt"] - r["cached"] for r in res),
                "cached_tokens": sum(r["cached"] for r in res)}
-        for tier in ("host", "disk"):
-            try:
-                row[f"{tier}_hit_tokens"] = svc.metric(1, f'kvserve_kv_tier_hit_tokens_total{{tier="{tier}"}}')
-            except (LookupError, ValueError, OSError):  # no such tier in this run
-                row[f"{tier}_hit_tokens"] = 0
+        for tier, n in hits.items():
+            row[f"{tier}_hit_tokens"] = n
         if restart:
             rng = random.Random(seed + 1)
             cold = timed(svc, [rng.randrange(100, VOCAB) for _ in range(PREFIX_LEN + 1)])  # never seen
             time.sleep(2.0)  # the write-through of the questions reaches the disk
-            os.kill(svc.pids()["memsvc"], signal.SIGKILL)
+            old = svc.pids()["memsvc"]
+            os.kill(old, signal.SIGKILL)
+            # let it come back: a new memsvc with the runner attached again
+            end = time.monotonic() + 120
+            while svc.pids().get("memsvc", old) == old and time.monotonic() < end:
+                time.sleep(0.1)
+            svc.wait_stats(lambda st: st.clients >= 1, timeout=120)
             svc.wait_serving(120)
             warm = timed(svc, prefixes[0] + [rng.randrange(100, VOCAB) for _ in range(QUESTION_LEN)], retry_s=120)
             row["restart"] = {"cold_ttft_s": round(cold["ttft"], 3), "cold_cached": cold["cached"],
@@ -164,10 +195,13 @@ def main(argv: list[str] | None = None) -> int:
         row = one_run(name, configs[name], prefixes, args.questions, args.seed, name == "host+disk", base)
         print(json.dumps(row), flush=True)
         rows.append(row)
-    print("\n| tiers | TTFT p50 | TTFT p99 | prompt tokens computed | cached | host hits | disk hits |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| tiers | TTFT p50 | TTFT p99 | mean wait for admission | TTFT p50, one at a time "
+          "| prompt tokens computed | cached | host hits | disk hits |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['run']} | {r['ttft_p50_s']:.3f} s | {r['ttft_p99_s']:.3f} s | {r['computed_tokens']:,} "
+        print(f"| {r['run']} | {r['ttft_p50_s']:.3f} s | {r['ttft_p99_s']:.3f} s | {r['queue_wait_mean_s']:.3f} s "
+              f"| {r['alone_ttft_p50_s']:.3f} s "
+              f"| {r['computed_tokens']:,} "
               f"of {r['prompt_tokens']:,} | {r['cached_tokens']:,} | {r['host_hit_tokens']:,.0f} | "
               f"{r['disk_hit_tokens']:,.0f} |")
     for r in rows:

@@ -299,7 +299,7 @@ class Worker:
         last_wd = 0.0
         busy = False
         while not self.stopping.is_set():
-            self._receive(0 if busy else IDLE_POLL_MS)
+            self._receive(0 if busy else self._idle_ms())
             outs: list[TokenOut] = []
             if self.mem is None or self.mem.lease_lost:
                 outs = self._memsvc_lost("memsvc lease lost") if self.mem is not None else []
@@ -322,6 +322,12 @@ class Worker:
         sdnotify.notify("STOPPING=1")
         self._flush(self._shutdown_outputs())
         return 0 if self.fatal is None else 1
+
+    def _idle_ms(self) -> int:
+        """How long an idle loop waits for the frontend: one poll, or less when a request
+        waiting for memsvc's disk tier is due again."""
+        retry = self.sched.retry_in(time.monotonic()) if self.sched is not None else None
+        return IDLE_POLL_MS if retry is None else max(1, min(IDLE_POLL_MS, int(retry * 1000) + 1))
 
     def _flush(self, outs: list[TokenOut]) -> None:
         """Send the step's outputs; if the frontend cannot take them in time, abort their

@@ -214,6 +214,12 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.table.waiting)
 
+    def retry_in(self, now: float) -> float | None:
+        """Seconds until a waiting request whose cached blocks memsvc is loading is asked for
+        again (None: no such request): the loop must not sleep past it."""
+        due = [r.load_wait_until for r in self.table.waiting if r.load_wait_until > now]
+        return min(due) - now if due else None
+
     def has_work(self) -> bool:
         """True when `step()` has something to do."""
         return bool(self.table.by_rid or self._outbox or self._aborts or self.kv.pending)

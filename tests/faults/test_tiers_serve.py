@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -79,3 +81,13 @@ def test_after_kill9_of_memsvc_the_new_one_serves_the_prompt_from_disk(svc: Serv
     assert cached >= 8 * BLOCK, cached
     assert tier_hits(svc, "disk") >= 8 * BLOCK
     assert again == cold
+
+
+def test_a_second_memsvc_on_the_same_disk_directory_exits_2_naming_it(svc: Service, tiny_model: Path,
+                                                                       tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvserve.cli", "memsvc", "--model", str(tiny_model), "--disk-cache-dir", str(svc.disk),
+         "--address", f"ipc://{tmp_path}/other.sock", "--metrics-port", "0", "--kv-tokens", "64"],
+        capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"--disk-cache-dir {svc.disk}: another memsvc uses this directory" in out.stderr

@@ -288,3 +288,14 @@ def test_kv_events_tell_the_router_which_medium_holds_each_block(tmp_path: Path)
         time.sleep(0.01)
     assert got == [("BlockStored", "DISK", [h], hashes[i - 1] if i else None) for i, h in enumerate(hashes)]
     tiers.close()
+
+
+def test_config_checks_the_tier_settings() -> None:
+    from kvserve.config import ConfigError
+    from kvserve.config.memsvc import MemsvcConfig
+
+    assert MemsvcConfig(host_cache_bytes="2GiB", disk_cache_dir="/x").disk_cache_bytes == "16GiB"
+    with pytest.raises(ConfigError, match="--host-cache-bytes: not a size: 'lots'"):
+        MemsvcConfig(host_cache_bytes="lots")
+    with pytest.raises(ConfigError, match="--disk-cache-dir keys its blocks by the model file's hash"):
+        MemsvcConfig(n_layers=2, n_kv_heads=2, head_dim=8, disk_cache_dir="/x")
