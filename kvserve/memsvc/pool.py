@@ -135,6 +135,10 @@ class Pool:
         match = self.tree.match_prefix(tokens[:-1], count=True)
         self.tree.lock(match.node)
         if self.tiers is not None:
+            if self.allocator.free_slots + self.tree.evictable_size < cap - len(match.slots):
+                # the row cannot be had now: copying its blocks in would only be evicted again
+                self.tree.unlock(match.node)
+                return AdmitResult(item.request_id, False, reason=REASON_EXHAUSTED)
             promoted = self._promote(tokens[:-1], match)
             if promoted is None:
                 self.tree.unlock(match.node)

@@ -299,3 +299,17 @@ def test_config_checks_the_tier_settings() -> None:
         MemsvcConfig(host_cache_bytes="lots")
     with pytest.raises(ConfigError, match="--disk-cache-dir keys its blocks by the model file's hash"):
         MemsvcConfig(n_layers=2, n_kv_heads=2, head_dim=8, disk_cache_dir="/x")
+
+
+def test_no_blocks_are_copied_in_for_a_row_the_pool_cannot_hold_now() -> None:
+    pool, tiers, k, v = make_pool(None)
+    run(pool, k, v, 0, PROMPT)
+    evict_all(pool)
+    for rid in (1, 2):  # two rows hold 42 of the 63 slots: 20 for the blocks, not 22 for the row
+        assert pool.admit(1, Admit(rid, list(range(100 * rid, 100 * rid + 20)), 1)).ok
+    res = pool.admit(1, Admit(3, PROMPT, 1))
+    assert not res.ok and res.reason == "exhausted"
+    assert tiers.stats.hits["host"] == 0 and pool.cached_slots == 0
+    pool.release(1, Release(1, None))
+    held_kv(pool, k, v, 4, PROMPT, 20)
+    assert tiers.stats.hits["host"] == 20
