@@ -245,21 +245,20 @@ class RadixCache(PrefixCache):
     def total_size(self) -> int:
         return self._total
 
+    def _up(self, node: Node, slots: bool) -> np.ndarray:
+        parts = []
+        while node is not self.root:
+            parts.append(node.value if slots else node.key)
+            node = node.parent  # type: ignore[assignment]
+        return np.concatenate(parts[::-1]) if parts else _EMPTY
+
     def path(self, node: Node) -> np.ndarray:
         """The token ids from the root to the end of `node`."""
-        keys = []
-        while node is not self.root:
-            keys.append(node.key)
-            node = node.parent  # type: ignore[assignment]
-        return np.concatenate(keys[::-1]) if keys else _EMPTY
+        return self._up(node, slots=False)
 
     def path_slots(self, node: Node) -> np.ndarray:
         """The slots from the root to the end of `node`."""
-        values = []
-        while node is not self.root:
-            values.append(node.value)
-            node = node.parent  # type: ignore[assignment]
-        return np.concatenate(values[::-1]) if values else _EMPTY
+        return self._up(node, slots=True)
 
     def nodes(self) -> Iterator[Node]:
         """Every node but the root (depth first)."""
