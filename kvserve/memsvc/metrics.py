@@ -13,6 +13,8 @@ if TYPE_CHECKING:
     from kvserve.memsvc.tiers import Tiers
 
 BAD_MESSAGE_REASONS = ("malformed", "invalid", "internal")
+# What kvserve_kv_tier_errors_total{reason} counts (kvserve.memsvc.tiers raises each by name).
+DISK_ERROR_REASONS = ("torn", "corrupt", "read", "write", "delete", "mkdir", "queue_full", "internal")
 
 STEP_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 1.0)
 
@@ -97,8 +99,19 @@ class MemsvcMetrics:
             self._tier_seen[key] = total
 
     def set_tiers(self, tiers: Tiers) -> None:
-        """Advance the tier counters to the tiers' totals and set their gauges."""
+        """Advance the tier counters to the tiers' totals and set their gauges. The series of
+        the configured tiers exist from the first scrape, at 0 (a dashboard's rate() of a series
+        that appears only with its first event misses that event)."""
         st = tiers.stats
+        configured = [t for t, on in (("host", tiers.host), ("disk", tiers.disk)) if on is not None]
+        for tier in configured:
+            self.tier_hits.labels(tier=tier)
+            self.tier_seconds.labels(tier=tier)
+            for direction in ("in", "out"):
+                self.tier_bytes.labels(tier=tier, direction=direction)
+        if tiers.disk is not None:
+            for reason in DISK_ERROR_REASONS:
+                self.tier_errors.labels(reason=reason)
         for tier in ("host", "disk"):
             self._advance(self.tier_hits, {"tier": tier}, st.hits[tier])
             self._advance(self.tier_bytes, {"tier": tier, "direction": "in"}, st.bytes_in[tier])

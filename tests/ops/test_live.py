@@ -145,7 +145,9 @@ def _wait_ready(svc: Service) -> None:
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory) -> Iterator[Service]:
-    svc = _start(tmp_path_factory.mktemp("serve"), [])
+    tmp = tmp_path_factory.mktemp("serve")
+    # Both KV tiers on, so every panel of the dashboard has its series to read.
+    svc = _start(tmp, ["--host-cache-bytes", "64MiB", "--disk-cache-dir", str(tmp / "kv-disk")])
     try:
         _wait_ready(svc)
         yield svc
