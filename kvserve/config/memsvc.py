@@ -55,7 +55,9 @@ class MemsvcConfig:
                                               "or heartbeat (its TTL; the runner stops writing KV then)")
     lease_grace_s: float = option(0.5, help="seconds past a lease's TTL before memsvc reclaims it")
     reclaim_quarantine_s: float = option(2.0, help="seconds an expired lease's slots stay out of use "
-                                                   "after the reclaim (longer than one layer's step)")
+                                                   "after the reclaim when memsvc cannot watch its process "
+                                                   "(a remote runner; longer than one layer's step); a local "
+                                                   "runner's stay out until it exits or attaches again")
     runtime_dir: str | None = option(None, help="directory of ipc sockets "
                                                 "(default: kvserve.paths.runtime_dir())")
     allow_remote: bool = option(False, help="allow a tcp:// --address that is not loopback "

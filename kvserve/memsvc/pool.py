@@ -13,6 +13,7 @@ This module knows nothing about sockets, the wire or processes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,11 +37,14 @@ from kvserve.messages.runner_memsvc import (
 
 @dataclass(slots=True)
 class Quarantined:
-    """Slots and rows of an expired lease, reusable from `until` (memsvc's monotonic clock)."""
+    """Slots and rows of an expired lease, reusable from `until` (memsvc's monotonic clock),
+    or earlier once `pid` (the lease's local process, 0 when it cannot be watched) has exited
+    or attached again."""
 
     until: float
     slots: np.ndarray
     rows: list[int]
+    pid: int = 0
 
 
 class ItemError(ValueError):
@@ -251,27 +255,28 @@ class Pool:
             into.slots = np.concatenate([into.slots, private])
             into.rows.append(row.row)
 
-    def drop_lease(self, lease: int, *, quarantine_until: float | None = None) -> int:
+    def drop_lease(self, lease: int, *, quarantine_until: float | None = None, pid: int = 0) -> int:
         """Free every row of `lease` without committing anything; returns the row count.
 
         With `quarantine_until`, the rows and their private slots are not reusable before
-        that time (`release_quarantine`): the lease expired, and its runner may be stalled
-        in the middle of a step."""
+        that time, or before `pid` (when not 0) exits or attaches again (`release_quarantine`):
+        the lease expired, and its runner may be stalled in the middle of a step."""
         mine = [r for r in self.rows.values() if r.lease == lease]
         held = None
         if quarantine_until is not None and mine:
-            held = Quarantined(quarantine_until, np.empty(0, dtype=np.int64), [])
+            held = Quarantined(quarantine_until, np.empty(0, dtype=np.int64), [], pid)
             self.quarantine.append(held)
         for row in mine:
             self._drop(row, held)
         return len(mine)
 
-    def release_quarantine(self, now: float) -> int:
-        """Return the quarantined slots and rows whose time has come; returns the slot count."""
-        due = [q for q in self.quarantine if q.until <= now]
+    def release_quarantine(self, now: float, done: Callable[[int], bool] | None = None) -> int:
+        """Return the quarantined slots and rows whose time has come, or whose process
+        `done(pid)` says can write no more; returns the slot count."""
+        due = [q for q in self.quarantine if q.until <= now or (q.pid and done is not None and done(q.pid))]
         if not due:
             return 0
-        self.quarantine = [q for q in self.quarantine if q.until > now]
+        self.quarantine = [q for q in self.quarantine if not any(q is d for d in due)]
         for q in due:
             self.allocator.free(q.slots)
             self._free_rows.extend(q.rows)

@@ -55,6 +55,9 @@ log = logging.getLogger("kvserve.memsvc")
 
 MAX_PID = 1 << 22  # Linux's largest pid_max
 MAX_NAME = 256
+# The longest an expired local lease's slots wait for its stalled process to exit or attach
+# again (a runner stopped for longer is taken for lost).
+STALLED_QUARANTINE_MAX_S = 600.0
 
 
 @dataclass(slots=True)
@@ -156,25 +159,34 @@ class MemsvcService:
 
     def reap(self, now: float | None = None) -> int:
         """Reclaim leases whose local pid is gone (at once) or that expired: silent for their
-        TTL plus the grace. An expired lease's runner may only be stalled, so its rows and
-        private slots stay quarantined for `reclaim_quarantine_s` (docs/interfaces.md,
-        "Lease fencing"); a dead process writes nothing, so its slots are free at once.
+        TTL plus the grace. An expired lease's runner may only be stalled, in the middle of a
+        step, so its rows and private slots stay quarantined (docs/interfaces.md, "Lease
+        fencing"): a local process's until it exits or attaches again (then its stalled step
+        is over), at most `STALLED_QUARANTINE_MAX_S`; a remote one's for
+        `reclaim_quarantine_s`. A dead process writes nothing, so its slots are free at once.
         Also returns quarantined slots whose time has come. Returns the leases reclaimed."""
         now = time.monotonic() if now is None else now
-        released = self.pool.release_quarantine(now)
+        watch = self.local_pids
+        released = self.pool.release_quarantine(now, (lambda pid: not pid_alive(pid)) if watch else None)
         expire = self.lease_timeout_s + self.lease_grace_s
         gone = []
         for lease in self.leases.values():
-            if lease.local and self.local_pids and not pid_alive(lease.pid):
+            if lease.local and watch and not pid_alive(lease.pid):
                 gone.append((lease, None))
             elif now - lease.last_seen > expire:
                 gone.append((lease, now + self.reclaim_quarantine_s))
         for lease, until in gone:
-            rows = self.pool.drop_lease(lease.lease, quarantine_until=until)
+            watched = lease.local and watch and until is not None
+            if watched:
+                until = now + max(self.reclaim_quarantine_s, STALLED_QUARANTINE_MAX_S)
+            rows = self.pool.drop_lease(lease.lease, quarantine_until=until,
+                                        pid=lease.pid if watched else 0)
             del self.leases[lease.lease]
             self.reclaimed += 1
             self.metrics.reclaimed.inc()
             why = "its process is gone" if until is None else (
+                f"silent for {now - lease.last_seen:.1f} s; its slots are quarantined until pid {lease.pid} "
+                f"exits or attaches again (at most {until - now:g} s)" if watched else
                 f"silent for {now - lease.last_seen:.1f} s; its slots are quarantined for "
                 f"{self.reclaim_quarantine_s:g} s")
             log.warning("memsvc: reclaimed lease of %s (pid %d), %s: %d rows", lease.name, lease.pid,
@@ -241,6 +253,10 @@ class MemsvcService:
             return ErrorReply(f"attach: {len(self.leases)} leases held, the most memsvc keeps")
         lease_id = secrets.randbits(62)
         local = msg.host == self._host and msg.pid > 0
+        if local and self.pool.release_quarantine(time.monotonic(), lambda pid: pid == msg.pid):
+            # the process asks again from its loop: the step it was stalled in is over
+            log.info("memsvc: %s (pid %d) attached again: its quarantined slots are free", msg.name, msg.pid)
+            self.refresh_metrics()
         self.leases[lease_id] = Lease(lease_id, msg.name, msg.pid, local, time.monotonic())
         log.info("memsvc: attached %s (pid %d) lease %d", msg.name, msg.pid, lease_id)
         return AttachReply(lease=lease_id, layout=mine,

@@ -272,6 +272,10 @@ class Scheduler:
             batch.input_ids, batch.meta, k_buffer=self.mem.k_buffer, v_buffer=self.mem.v_buffer,
             backend=self.backend, logits_indices=batch.logits_indices, fence=self.mem.fence,
         )
+        # The read side: a lease that ran out during the step (the process was stopped after
+        # the last layer's write) may have let the row's slots be reused while attention read
+        # them, so nothing this step computed may be emitted or committed.
+        self.mem.fence()
         self.ran_forward = True
         t1 = time.perf_counter()
         for req, n in plan:

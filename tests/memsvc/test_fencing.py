@@ -1,7 +1,8 @@
 """Lease fencing, memsvc's half and the client's clock (docs/interfaces.md, "Lease fencing"):
 a lease is reclaimed only after its TTL plus the grace, an expired lease's slots and rows
 stay quarantined (held, not reusable, counted by the integrity check) until the
-quarantine ends, a dead process's lease is freed at once, and `MemClient.fence` refuses
+quarantine ends (a local process's: until it exits or attaches again), a dead process's
+lease is freed at once, and `MemClient.fence` refuses
 a write once the TTL has passed since the last *sent* renewal."""
 
 from __future__ import annotations
@@ -41,35 +42,76 @@ def _ask(svc: MemsvcService, msg: object) -> object:
     return REPLIES.decode(svc.handle(REQUESTS.encode(msg)))
 
 
-def _attach(svc: MemsvcService, pid: int) -> int:
-    reply = _ask(svc, Attach(name=f"r{pid}", pid=pid, host=socket.gethostname(), n_layers=1, n_kv_heads=1,
-                             head_dim=4, dtype="float32", protocol=PROTOCOL_VERSION))
+def _attach(svc: MemsvcService, pid: int, host: str | None = None) -> int:
+    reply = _ask(svc, Attach(name=f"r{pid}", pid=pid, host=host or socket.gethostname(), n_layers=1,
+                             n_kv_heads=1, head_dim=4, dtype="float32", protocol=PROTOCOL_VERSION))
     assert isinstance(reply, AttachReply) and reply.lease_ttl_s == TTL
     return reply.lease
 
 
-def test_expired_lease_is_reclaimed_after_ttl_plus_grace_and_its_slots_quarantined() -> None:
+def _expire(svc: MemsvcService, pid: int, host: str | None = None) -> tuple[float, int]:
+    """Attach as (pid, host), admit a 24-slot row, let the lease expire: (the time, slots held)."""
+    lease = _attach(svc, pid, host)
+    _ask(svc, Step(lease=lease, admit=[Admit(1, list(range(1, 21)), 4)]))
+    held = svc.pool.request_slots
+    assert held == 24
+    seen = svc.leases[lease].last_seen
+    assert svc.reap(seen + TTL + GRACE - 0.01) == 0, "reclaimed before TTL + grace"
+    assert svc.reap(seen + TTL + GRACE + 0.01) == 1
+    assert svc.pool.quarantined_slots == held and svc.pool.request_slots == 0
+    assert svc.pool.free_slots == 47 - held
+    assert check_integrity(svc.pool, repair=False) == []  # quarantined slots count as held
+    return seen + TTL + GRACE + 0.01, held
+
+
+def _admit_30(svc: MemsvcService, lease: int) -> bool:
+    return _ask(svc, Step(lease=lease, admit=[Admit(1, [9] * 20, 10)])).admitted[0].ok
+
+
+def test_remote_expired_lease_is_quarantined_for_the_configured_time() -> None:
     svc = _service()
     try:
-        lease = _attach(svc, os.getpid())  # a live local pid: only silence can expire it
-        _ask(svc, Step(lease=lease, admit=[Admit(1, list(range(1, 21)), 4)]))
-        held = svc.pool.request_slots
-        assert held == 24
-        seen = svc.leases[lease].last_seen
-        assert svc.reap(seen + TTL + GRACE - 0.01) == 0, "reclaimed before TTL + grace"
-        assert svc.reap(seen + TTL + GRACE + 0.01) == 1
-        now = seen + TTL + GRACE + 0.01
-        assert svc.pool.quarantined_slots == held and svc.pool.request_slots == 0
-        free = svc.pool.free_slots
-        assert free == 47 - held
-        assert check_integrity(svc.pool, repair=False) == []  # quarantined slots count as held
-        other = _attach(svc, os.getpid())
-        reply = _ask(svc, Step(lease=other, admit=[Admit(1, [9] * 20, 10)]))  # 30 slots > 23 free
-        assert not reply.admitted[0].ok
+        now, held = _expire(svc, 4242, host="another-host")  # memsvc cannot watch its process
+        other = _attach(svc, 0)
+        assert not _admit_30(svc, other), "30 slots > 23 free: the quarantine must be held"
         assert svc.pool.release_quarantine(now + QUARANTINE - 0.01) == 0
         assert svc.pool.release_quarantine(now + QUARANTINE) == held
-        assert svc.pool.free_slots == free + held and check_integrity(svc.pool, repair=False) == []
-        assert _ask(svc, Step(lease=other, admit=[Admit(1, [9] * 20, 10)])).admitted[0].ok
+        assert svc.pool.free_slots == 47 and check_integrity(svc.pool, repair=False) == []
+        assert _admit_30(svc, other)
+    finally:
+        svc.close()
+
+
+def test_stalled_local_process_keeps_its_slots_until_it_attaches_again() -> None:
+    """A local runner's expired lease stays quarantined past `reclaim_quarantine_s` while its
+    process lives (it may be stopped between a fence check and its KV store); its next
+    Attach, made from its loop once the stalled step is over, frees them."""
+    svc = _service()
+    try:
+        now, held = _expire(svc, os.getpid())
+        assert svc.reap(now + QUARANTINE + 60) == 0
+        other = _attach(svc, 0)
+        assert svc.pool.quarantined_slots == held and not _admit_30(svc, other)
+        _attach(svc, os.getpid())
+        assert svc.pool.quarantined_slots == 0 and svc.pool.free_slots == 47
+        assert _admit_30(svc, other) and check_integrity(svc.pool, repair=False) == []
+    finally:
+        svc.close()
+
+
+def test_stalled_local_process_that_exits_frees_its_slots_at_the_next_reap() -> None:
+    svc = _service()
+    child = os.fork()
+    if child == 0:
+        time.sleep(60)
+        os._exit(0)
+    try:
+        now, held = _expire(svc, child)
+        assert svc.reap(now + QUARANTINE + 60) == 0 and svc.pool.quarantined_slots == held
+        os.kill(child, 9)
+        os.waitpid(child, 0)
+        assert svc.reap(now + QUARANTINE + 61) == 0
+        assert svc.pool.quarantined_slots == 0 and svc.pool.free_slots == 47
     finally:
         svc.close()
 

@@ -7,6 +7,7 @@ batch. The tiny model is "sharpened" (see runner_procs) so its output depends on
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -318,3 +319,42 @@ def test_tiny_temperature_is_greedy_and_unseeded_sampling_is_fresh(tiny: Any, ro
     assert out["t"] == out["g"] and len(set(out["g"])) > 1  # not token 0 forever
     assert fresh[0] != fresh[1]
     assert fixed[0] == fixed[1]
+
+
+class StalledAfterLastWrite:
+    """The tiny model, but the process 'stops' after the last layer's KV write of the
+    `at`-th forward, until past the lease: the heartbeat halts and the lease's deadline passes."""
+
+    def __init__(self, model: Any, client: Any, at: int) -> None:
+        self.model, self.config, self.device = model, model.config, model.device
+        self.client, self.at, self.calls = client, at, 0
+
+    def forward(self, input_ids: torch.Tensor, meta: Any, **kw: Any) -> torch.Tensor:
+        logits = self.model.forward(input_ids, meta, **kw)
+        self.calls += 1
+        if self.calls == self.at:
+            self.client._stop_heartbeat()
+            self.client.valid_until = time.monotonic() - 0.01
+        return logits
+
+
+def test_step_whose_lease_ran_out_after_the_last_write_emits_nothing(tiny: Any, roomy: str) -> None:
+    """A lease that ran out during a step (after the last layer's write, so no write fence
+    tripped) may have let attention read reused slots: the step raises LeaseExpired, emits
+    no token and advances no request; the steps before it emitted theirs."""
+    from kvserve.memsvc.client import LeaseExpired
+
+    prompts = random_prompts(15, [12, 21])
+    with attached(roomy, tiny.config) as client:
+        model = StalledAfterLastWrite(tiny.model, client, at=3)  # prefill, 1 decode, then stalls
+        sched = make(tiny, client, model=model)
+        for r in reqs(prompts, greedy(8), "s"):
+            sched.add(r)
+        emitted = [o for _ in range(2) for o in sched.step()]
+        before = [(r.computed, len(r.tokens)) for r in sched.table]
+        with pytest.raises(LeaseExpired, match="lease ran out"):
+            sched.step()
+        assert [(r.computed, len(r.tokens)) for r in sched.table] == before
+        assert [len(r.tokens) for r in sched.table] == [len(p) + 2 for p in prompts]
+    assert sorted(o.request_id for o in emitted) == ["s0", "s0", "s1", "s1"]
+    assert client.lease_lost
