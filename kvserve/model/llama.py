@@ -119,8 +119,9 @@ class DecoderLayer(nn.Module):
         of its quantized weight for large batches; frees the float weights."""
         for name in ("qkv", "o", "gate_up", "down"):
             weight = getattr(self, f"{name}_weight")
-            setattr(self, name, quantize(mode, weight, getattr(self, f"{name}_bias"), dense=True))
-            if mode != "none":
+            lin = quantize(mode, weight, getattr(self, f"{name}_bias"), dense=True)
+            setattr(self, name, lin)
+            if mode != "none" or getattr(lin, "packed", None) is not None:
                 weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
 
     def forward(
@@ -164,13 +165,17 @@ class LlamaForCausalLM(nn.Module):
 
     def quantize(self, mode: str) -> None:
         """Weight-only quantization of the loaded model (`kvserve.model.quant`): the layers'
-        projections in `mode`, the output head int8 unless `mode` is "none"."""
+        projections in `mode`, the output head int8 unless `mode` is "none". Float weights
+        that `quant.pack` packs for oneDNN keep only their packed form (the head's, when
+        tied to the embedding, both)."""
         for layer in self.layers:
             layer.quantize(mode)
         if mode != "none":
             self.head = quantize("int8", self.lm_head, None, dense=True)
             if self.lm_head is not self.embed:
                 self.lm_head.data = torch.empty(0, dtype=self.dtype, device=self.device)
+        else:
+            self.head = quantize("none", self.lm_head, None, dense=True)
         self.quantization = mode
 
     def weight_slots(self) -> dict[str, WeightSlot]:

@@ -181,18 +181,25 @@ class Sampler:
         if logits.shape[0] != n:
             raise ValueError(f"logits has {logits.shape[0]} rows, {n} sample rows given")
         params = [r.params for r in rows]
-        # One pass, no device sync: bad rows become zeros here and -1 in the one .tolist().
-        finite = torch.isfinite(logits).all(dim=-1)
-        logits = torch.where(finite[:, None], logits, 0.0)
+        # A row's maximum is NaN or +inf when it holds either, its minimum -inf when it holds
+        # that: two reductions find the bad rows, and the maximum's index is the greedy token.
+        # Bad rows become zeros (a copy of `logits`; on CPU only when there are any, on a GPU
+        # always: no device sync) and -1 in the one .tolist().
+        hi, top = logits.max(dim=-1)
+        finite = torch.isfinite(hi) & torch.isfinite(logits.amin(dim=-1))
+        copied = logits.device.type != "cpu" or not bool(finite.all())
+        if copied:
+            logits = torch.where(finite[:, None], logits, 0.0)
         top_n = min(max((p.logprobs for p in params), default=0), logits.shape[-1])
         raw_logprobs = logits.log_softmax(dim=-1) if top_n > 0 else None
         penal = [i for i, r in enumerate(rows) if r.penalties is not None]
         if penal:
+            logits = logits if copied else logits.clone()  # penalties apply in place
             apply_penalties(
                 logits, penal, [rows[i].penalties for i in penal], [params[i] for i in penal]  # type: ignore[misc]
             )
         sampled = [i for i, p in enumerate(params) if not is_greedy(p)]
-        tokens = logits.argmax(dim=-1)
+        tokens = logits.argmax(dim=-1) if penal else top
         if sampled:
             chosen = self._sample_rows(logits, sampled, rows)
             if len(sampled) == n:

@@ -15,11 +15,13 @@ from kvserve.model.quant import (
     ACT,
     DENSE_ROWS,
     MODES,
+    PACKED_ROWS,
     Int4Linear,
     Int8Linear,
     Linear,
     auto_mode,
     int4_dequantized,
+    pack,
     quantize,
 )
 from kvserve.model.weights import resolve_quantization
@@ -125,18 +127,36 @@ def test_large_batches_take_the_dense_copy_of_the_same_weights(mode: str) -> Non
     torch.manual_seed(3)
     w = torch.randn(96, 128, dtype=torch.bfloat16)
     lin = quantize(mode, w, None, dense=True)
-    assert lin.dense is not None and lin.dense.dtype == torch.bfloat16
+    assert lin.dense is not None
     grid = int4_dequantized(w, scale_dtype=ACT) if mode == "int4" else lin.dequantized()
-    assert torch.equal(lin.dense, grid.to(torch.bfloat16))  # the kernel's values, not w's
-    big = torch.randn(DENSE_ROWS + 1, 128, dtype=torch.bfloat16)
-    assert torch.equal(lin(big), torch.nn.functional.linear(big, lin.dense))
-    small = big[:DENSE_ROWS]
+    eye = torch.eye(128, dtype=torch.bfloat16)
+    assert torch.equal(lin.dense(eye).t(), grid.to(torch.bfloat16))  # the kernel's values, not w's
+    assert lin.dense_rows == (PACKED_ROWS if lin.dense.packed is not None else DENSE_ROWS)
+    rows = lin.dense_rows
+    big = torch.randn(rows + 1, 128, dtype=torch.bfloat16)
+    assert torch.equal(lin(big), lin.dense(big))
+    small = big[:rows]
     kernel = lin._mm(small)
     assert torch.equal(lin(small), kernel)  # few rows: the weight-only kernel
     ref = small.float() @ grid.float().t()
-    for y in (kernel, lin(big)[:DENSE_ROWS]):
+    for y in (kernel, lin(big)[:rows]):
         assert torch.allclose(y.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
     assert quantize(mode, w, None).dense is None
+
+
+def test_packed_linear_equals_the_plain_one_for_any_input_shape() -> None:
+    torch.manual_seed(4)
+    w, b = torch.randn(96, 128, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16)
+    packed = pack(w)
+    if packed is None:
+        pytest.skip("no native bfloat16 GEMM on this CPU: pack() keeps the plain path")
+    lin = Linear(torch.empty(0, dtype=torch.bfloat16), b, packed)  # the float weight dropped
+    for x in (torch.randn(5, 128, dtype=torch.bfloat16), torch.randn(2, 3, 128, dtype=torch.bfloat16),
+              torch.randn(4, 128), torch.randn(0, 128, dtype=torch.bfloat16)):
+        y, ref = lin(x), torch.nn.functional.linear(x.to(torch.bfloat16), w, b).to(x.dtype)
+        assert y.shape == ref.shape and y.dtype == x.dtype
+        assert torch.allclose(y.float(), ref.float(), rtol=1e-2, atol=1e-2), (x.shape, x.dtype)
+    assert pack(w.float()) is None and pack(torch.randn(3, 4, 5, dtype=torch.bfloat16)) is None
 
 
 def test_int4_falls_back_to_int8_where_k_does_not_tile() -> None:

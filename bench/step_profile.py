@@ -1,0 +1,116 @@
+"""Where a runner's decode step goes on CPU (issue 18, item 2): the scheduler in-process
+against a real memsvc, the model as `kvserve serve` runs it (dtype and quantization
+`auto`), B requests of 128-token prompts decoding together.
+
+Prints, per batch size: the step's wall time split into memsvc round trip, batch build,
+forward and sampling (the scheduler's own step_seconds metric), and torch.profiler's top
+operators over a few decode steps (self CPU time).
+
+    .venv/bin/python bench/step_profile.py [--batch-sizes 1,32] [--steps 16] [--quantization auto]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from e2e_throughput import cpu_flags  # noqa: E402
+from model_loop import make_prompts  # noqa: E402
+from runner_bench import start_memsvc  # noqa: E402
+
+from kvserve.config.devices import resolve_dtype  # noqa: E402
+from kvserve.kernels import get_backend  # noqa: E402
+from kvserve.memsvc.client import MemClient  # noqa: E402
+from kvserve.messages.frontend_runner import GenerateReq, SamplingParams  # noqa: E402
+from kvserve.model.weights import load_model, resolve_quantization  # noqa: E402
+from kvserve.runner.metrics import RunnerMetrics  # noqa: E402
+from kvserve.runner.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+
+PHASES = ("memsvc", "decode", "sample")  # "decode": batch build + forward
+
+
+def phase_sums(metrics: RunnerMetrics) -> dict[str, float]:
+    reg = metrics.registry
+    return {p: reg.get_sample_value("kvserve_runner_step_seconds_sum", {"phase": p}) or 0.0 for p in PHASES}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--batch-sizes", default="1,8,32")
+    ap.add_argument("--steps", type=int, default=16, help="decode steps timed (and profiled) per batch")
+    ap.add_argument("--top", type=int, default=18)
+    ap.add_argument("--no-pack", action="store_true", help="plain F.linear GEMMs (kvserve.model.quant.pack off)")
+    ap.add_argument("--no-profile", action="store_true", help="timings only")
+    args = ap.parse_args(argv)
+    if args.no_pack:
+        import kvserve.model.quant as quant
+
+        quant.pack = lambda weight: None
+    dtype_name = resolve_dtype(args.dtype, "cpu")
+    quant = resolve_quantization(args.quantization, args.model, "cpu")
+    loaded = load_model(args.model, dtype=getattr(torch, dtype_name), device="cpu", quantization=quant)
+    tok = loaded.tokenizer
+    print(f"model {loaded.name} dtype {dtype_name} quantization {quant} threads {torch.get_num_threads()}")
+    print(f"cpu flags: {cpu_flags()}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="kvserve-prof-") as tmp:
+        run_dir = Path(tmp)
+        run_dir.chmod(0o700)
+        proc, address = start_memsvc(run_dir, args.model, dtype_name, 65536)
+        client = MemClient(address, name="prof", timeout_s=30.0)
+        mc = loaded.config
+        client.attach(n_layers=mc.num_layers, n_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, dtype=dtype_name)
+        try:
+            for b in [int(x) for x in args.batch_sizes.split(",")]:
+                metrics = RunnerMetrics()
+                sched = Scheduler(model=loaded.model, mem=client, layout=client.layout,
+                                  backend=get_backend("torch"), eos_token_ids=loaded.eos_token_ids,
+                                  config=SchedulerConfig(), metrics=metrics)
+                prompts = make_prompts(tok, b, 128)
+                prompts[:, 0] = 2000 + b
+                for i, row in enumerate(prompts):
+                    sched.add(GenerateReq(f"p{b}-{i}", row.tolist(),
+                                          SamplingParams(max_new_tokens=8 + 2 * args.steps, ignore_eos=True)))
+                while any(r.computed < r.prompt_len for r in sched.table) or len(sched.table.running) < b:
+                    sched.step()  # prefill, then a few decode steps as warm-up
+                for _ in range(4):
+                    sched.step()
+                before = phase_sums(metrics)
+                t0 = time.perf_counter()
+                for _ in range(args.steps):
+                    sched.step()
+                wall = (time.perf_counter() - t0) / args.steps
+                after = phase_sums(metrics)
+                parts = {p: (after[p] - before[p]) / args.steps for p in PHASES}
+                other = wall - sum(parts.values())
+                print(f"\n== batch {b}: decode step {wall * 1000:.2f} ms = {b / wall:.1f} tok/s: "
+                      + ", ".join(f"{p} {v * 1000:.2f}" for p, v in parts.items())
+                      + f", rest (plan, batch build, emit) {other * 1000:.2f} ms", flush=True)
+                if args.no_profile:
+                    while sched.has_work():
+                        sched.step()
+                    continue
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                    for _ in range(args.steps):
+                        sched.step()
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top,
+                                                max_name_column_width=48))
+                while sched.has_work():
+                    sched.step()
+        finally:
+            client.close()
+            proc.terminate()
+            proc.wait(timeout=30)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
