@@ -50,7 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=18)
     ap.add_argument("--no-pack", action="store_true", help="plain F.linear GEMMs (kvserve.model.quant.pack off)")
     ap.add_argument("--no-profile", action="store_true", help="timings only")
+    ap.add_argument("--packed-rows", type=int, default=0,
+                    help="rows above which quantized projections take their dense copy (default DENSE_ROWS)")
     args = ap.parse_args(argv)
+    if args.packed_rows:
+        import kvserve.model.quant as quant
+
+        quant._WeightOnly.dense_rows = args.packed_rows
     if args.no_pack:
         import kvserve.model.quant as quant
 

@@ -36,11 +36,12 @@ DENSE_ROWS = 8
 """Batches of more rows than this (prefill chunks, many streams) multiply by a dense copy of
 the quantized weight in the model dtype. Measured 2026-12-04 (2-core AMD EPYC, avx512_bf16;
 the default model's gate_up projection, bf16): int4 kernel / dense GEMM 55/148 us at 1 row,
-173/229 at 8, 395/347 at 16, 3151/1311 at 128: the kernel's time grows with every row."""
-PACKED_ROWS = 3
-"""The same bound when the dense copy is packed for oneDNN (`pack`). Measured 2026-12-05
-(2-core Intel Xeon, AMX; int4 kernel / packed bf16 GEMM, us): gate_up 72/101 at 1 row,
-97/112 at 2, 138/114 at 4, 265/104 at 8; qkv 25/40, 31/57, 43/42, 85/40."""
+173/229 at 8, 395/347 at 16, 3151/1311 at 128: the kernel's time grows with every row.
+With the dense copy packed for oneDNN (`pack`) a warm GEMM wins from 4 rows, but in a real
+step the weights come cold from memory and the dense copy is 4x the bytes of int4: whole
+decode steps of the default model (bench/step_profile.py --packed-rows, 2026-12-05, Intel
+Xeon with AMX, ms) at 4 / 8 / 16 rows: dense above 3 rows 43-51 / 47-54 / 59-65, above 8
+27-31 / 42-53 / 60-69, above 16 27-32 / 41-46 / 75-82. So 8 stays."""
 GROUP = 32
 _INNER_K_TILES = 2  # the CPU packing's K tiling (K must be a multiple of 16 × this)
 ACT = torch.bfloat16  # the kernels' activation dtype
@@ -97,7 +98,7 @@ class _WeightOnly:
 
     bias: torch.Tensor | None
     dense: Linear | None = None
-    dense_rows = DENSE_ROWS
+    dense_rows = DENSE_ROWS  # an attribute: bench/step_profile.py --packed-rows moves it
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         """The kernel on 2-D bfloat16 activations."""
@@ -108,7 +109,6 @@ class _WeightOnly:
         oneDNN where `pack` can."""
         packed = pack(grid)
         self.dense = Linear(grid if packed is None else torch.empty(0, dtype=grid.dtype), self.bias, packed)
-        self.dense_rows = DENSE_ROWS if packed is None else PACKED_ROWS
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
