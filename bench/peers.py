@@ -58,6 +58,10 @@ from kvserve.model.files import resolve_model  # noqa: E402
 PEERS = ROOT / ".peers"
 VLLM_VENV = PEERS / "vllm"
 VLLM_VERSION = "0.32.0"
+# The KV cache both servers get (vLLM-CPU's --kv-cache-memory-bytes; kvserve's pool in
+# tokens of the same bytes): by default kvserve's pool is 16,384 tokens, which holds 85 of
+# 128 streams of this workload.
+KV_CACHE_BYTES = 2 * 10**9
 HF_DIR = PEERS / "smollm2-135m-hf"
 LOGS = PEERS / "logs"  # each server's output from the latest run
 LLAMA_VENV = PEERS / "llamacpp-server"
@@ -231,13 +235,25 @@ def server(cmd: list, url: str, ready_path: str, log_path: Path, ready_s: float 
         stop_group(proc)
 
 
+def kv_bytes_per_token(dtype: str) -> int:
+    """K and V of one token of the default model in kvserve's pool at `dtype` (auto: bf16
+    where the CPU has it, as serve resolves it)."""
+    from kvserve.config.devices import resolve_dtype
+    from kvserve.model.weights import load_config
+
+    cfg = load_config(None)
+    width = 4 if resolve_dtype(dtype, "cpu") == "float32" else 2
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * width
+
+
 @contextmanager
 def kvserve_server(args: argparse.Namespace, tmp: Path):
     from kvserve.tools.servectl import children_of, start_serve, stop_serve
 
     (LOGS / "kvserve.log").unlink(missing_ok=True)
     try:
-        svc = start_serve(tmp / "kvserve-rt", None, "--quantization", args.quantization, http=True,
+        svc = start_serve(tmp / "kvserve-rt", None, "--quantization", args.quantization,
+                          "--kv-tokens", str(KV_CACHE_BYTES // kv_bytes_per_token(args.dtype)), http=True,
                           dtype=args.dtype, device="cpu", log=LOGS / "kvserve.log", ready_s=600)
     except BaseException:  # interrupted while it started: stop the serve it left running
         for pid, cmd in children_of(os.getpid()).items():
@@ -310,7 +326,7 @@ def measure(name: str, args: argparse.Namespace, prompts: dict[int, Path], tmp: 
         vllm, model, port = ensure_vllm(), ensure_hf_dir(), free_port()
         # A fixed KV cache: by default vLLM-CPU wants 92 % of the node's memory free at start.
         ctx = server([vllm, "serve", model, "--dtype", "bfloat16", "--kv-cache-memory-bytes",
-                      "2G", "--host", "127.0.0.1", "--port", port],
+                      str(KV_CACHE_BYTES), "--host", "127.0.0.1", "--port", port],
                      f"http://127.0.0.1:{port}", "/health", LOGS / "vllm.log")
     else:
         py, port = ensure_llamacpp_server(), free_port()
