@@ -42,6 +42,7 @@ LAYERS = 12
 MAX_NEW = 48
 STOP_S = 6.0  # > TTL 1.5 + grace 0.5 + reap 0.2 + quarantine 2.0: the slots are reused meanwhile
 MID_STEP = re.compile(r"KV write refused before layer (\d+)'s KV write")
+RECLAIMED = re.compile(r"reclaimed lease of runner-\d+ \(pid (\d+)\), silent .*?: (\d+) rows")
 CRASH_TOKEN = 250  # a byte-level id no ASCII prompt produces
 PROMPTS = [f"prompt {i}: " + "".join(random.Random(i).choice("abcdefgh ijk") for _ in range(90 + 7 * i))
            for i in range(8)]
@@ -175,7 +176,13 @@ def test_runner_stopped_mid_step_past_its_lease_writes_nothing(svc: Service) -> 
     # The stalled runner's slots stay quarantined past reclaim_quarantine_s while it lives (it
     # may be stopped between a fence check and its store), and the other runner goes on
     # serving from the rest of the pool meanwhile.
-    assert all(n > 0 for n in held), f"a stalled runner's slots left the quarantine while it was stopped: {held}"
+    # (memsvc logs each reclaim with the rows it quarantined: a stop that caught the runner
+    # without requests quarantines nothing)
+    rows = [int(r) for pid, r in RECLAIMED.findall(svc.log_path.read_text()) if int(pid) == victim]
+    assert len(rows) == len(held), (rows, held)
+    assert any(r > 0 for r in rows), f"the stalled runner held no rows in any stall: {rows}"
+    emptied = [(r, n) for r, n in zip(rows, held, strict=True) if r > 0 and n == 0]
+    assert not emptied, f"a stalled runner's slots left the quarantine while it was stopped: rows {rows}, held {held}"
     served = [r for r in load.results if r[1] == grpc.StatusCode.OK
               and any(a + 4.5 < r[3] < b for a, b in stalls)]
     assert served, "no request was admitted while the runner was stopped past TTL, grace and 2 s"
