@@ -40,6 +40,30 @@ def phase_sums(metrics: RunnerMetrics) -> dict[str, float]:
     return {p: reg.get_sample_value("kvserve_runner_step_seconds_sum", {"phase": p}) or 0.0 for p in PHASES}
 
 
+def compare_native(sched: Scheduler, steps: int, rounds: int, batch: int) -> None:
+    """Median decode step with the native decode attention on and off, alternating rounds."""
+    import statistics
+
+    from kvserve.kernels import native
+
+    supports = native.supports
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for r in range(2 * rounds):
+        on = r % 2 == 0
+        native.supports = supports if on else (lambda q, k_cache: False)
+        try:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                sched.step()
+            times[on].append((time.perf_counter() - t0) / steps)
+        finally:
+            native.supports = supports
+    on, off = statistics.median(times[True]), statistics.median(times[False])
+    print(f"   native decode attention {'available' if native.available() else 'NOT available'}: "
+          f"median step {on * 1000:.2f} ms ({batch / on:.1f} tok/s) vs gather + SDPA {off * 1000:.2f} ms "
+          f"({batch / off:.1f} tok/s): {off / on:.2f}x", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
@@ -50,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=18)
     ap.add_argument("--no-pack", action="store_true", help="plain F.linear GEMMs (kvserve.model.quant.pack off)")
     ap.add_argument("--no-profile", action="store_true", help="timings only")
+    ap.add_argument("--compare-native", type=int, default=0, metavar="ROUNDS",
+                    help="A/B the native decode attention (kvserve.kernels.native) against the "
+                         "torch gather + SDPA path in the same process: ROUNDS alternating rounds "
+                         "of --steps steps each, medians printed (implies --no-profile)")
     ap.add_argument("--packed-rows", type=int, default=0,
                     help="rows above which quantized projections take their dense copy (default DENSE_ROWS)")
     args = ap.parse_args(argv)
@@ -84,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                 prompts[:, 0] = 2000 + b
                 for i, row in enumerate(prompts):
                     sched.add(GenerateReq(f"p{b}-{i}", row.tolist(),
-                                          SamplingParams(max_new_tokens=8 + 2 * args.steps, ignore_eos=True)))
+                                          SamplingParams(max_new_tokens=8 + 2 * args.steps * (1 + args.compare_native), ignore_eos=True)))
                 while any(r.computed < r.prompt_len for r in sched.table) or len(sched.table.running) < b:
                     sched.step()  # prefill, then a few decode steps as warm-up
                 for _ in range(4):
@@ -100,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"\n== batch {b}: decode step {wall * 1000:.2f} ms = {b / wall:.1f} tok/s: "
                       + ", ".join(f"{p} {v * 1000:.2f}" for p, v in parts.items())
                       + f", rest (plan, batch build, emit) {other * 1000:.2f} ms", flush=True)
-                if args.no_profile:
+                if args.compare_native:
+                    compare_native(sched, args.steps, args.compare_native, b)
+                if args.no_profile or args.compare_native:
                     while sched.has_work():
                         sched.step()
                     continue

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kvserve.kernels import native
 from kvserve.kernels.metadata import StepMetadata, check_attention_args
 
 _PLAN_KEY = "cpu"
@@ -46,15 +47,26 @@ class _Prefill:
 
 
 @dataclass(slots=True)
+class _Gather:
+    """The torch decode path's inputs: slots to gather and the length mask."""
+
+    slots: torch.Tensor  # int64 [Bd * Lmax] token-major, padded with own slot
+    mask: torch.Tensor | None  # [Bd, 1, 1, Lmax] bool, None when lengths are equal
+    lmax: int
+    runs: list[tuple[int, int]] | None  # (first slot, length) per request: view path
+
+
+@dataclass(slots=True)
 class _Plan:
     """Host-side plan of one step, shared by every layer."""
 
     decode_tokens: torch.Tensor | None  # int64 rows of q that are decode requests
-    decode_slots: torch.Tensor | None  # int64 [Bd * Lmax] token-major, padded with own slot
-    decode_mask: torch.Tensor | None  # [Bd, 1, 1, Lmax] bool, None when lengths are equal
-    decode_len: int
-    decode_runs: list[tuple[int, int]] | None  # (first slot, length) per request: view path
+    decode_rows: torch.Tensor | None  # int64 [Bd] rows of req_to_token
+    decode_lens: list[int]  # sequence length of each decode request
     prefills: list[_Prefill]
+    req_to_token: torch.Tensor
+    gather: _Gather | None = None  # built on first use by the torch path
+    native_lens: torch.Tensor | None = None  # int64 [Bd], built on first use by the native path
     buffers: dict[tuple[torch.dtype, int], tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict
     )
@@ -96,23 +108,33 @@ def _build_plan(meta: StepMetadata) -> _Plan:
                      None if contiguous else slots, mask)
         )
     if not decode:
-        return _Plan(None, None, None, 0, None, prefills)
-    lens = [seq[i] for i in decode]
-    lmax = max(lens)
+        return _Plan(None, None, [], prefills, r2t)
+    tokens = torch.tensor([qo[i] for i in decode], dtype=torch.int64, device=device)
     sel = torch.tensor([rows[i] for i in decode], dtype=torch.int64, device=device)
-    slots = r2t[sel, :lmax].to(torch.int64)
+    return _Plan(tokens, sel, [seq[i] for i in decode], prefills, r2t)
+
+
+def _gather_plan(plan: _Plan) -> _Gather:
+    """The torch decode path's slots and mask (padding points at the request's own first slot)."""
+    if plan.gather is not None:
+        return plan.gather
+    device = plan.req_to_token.device
+    lens = plan.decode_lens
+    lmax = max(lens)
+    assert plan.decode_rows is not None
+    slots = plan.req_to_token[plan.decode_rows, :lmax].to(torch.int64)
     mask = None
     if min(lens) != lmax:
         valid = torch.arange(lmax, device=device)[None, :] < torch.tensor(lens, device=device)[:, None]
         slots = torch.where(valid, slots, slots[:, :1])
         mask = valid[:, None, None, :]
     runs = None
-    if len(decode) <= VIEW_MAX_BATCH:
+    if len(lens) <= VIEW_MAX_BATCH:
         firsts = slots[:, 0].tolist()
         if all(_is_run(slots[i, : lens[i]], f) for i, f in enumerate(firsts)):
             runs = list(zip(firsts, lens, strict=True))
-    tokens = torch.tensor([qo[i] for i in decode], dtype=torch.int64, device=device)
-    return _Plan(tokens, slots.reshape(-1), mask, lmax, runs, prefills)
+    plan.gather = _Gather(slots.reshape(-1), mask, lmax, runs)
+    return plan.gather
 
 
 def _is_run(slots: torch.Tensor, first: int) -> bool:
@@ -134,26 +156,33 @@ def _plan(meta: StepMetadata) -> _Plan:
 def _decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _Plan, sm_scale: float
 ) -> torch.Tensor:
-    """q [Bd, Hq, D] -> [Bd, Hq, D]: one batched SDPA over the gathered sequences."""
+    """q [Bd, Hq, D] -> [Bd, Hq, D]: in place through the native kernel where it runs, else
+    one batched SDPA over the gathered sequences."""
+    if native.supports(q, k_cache) and plan.req_to_token.dtype == torch.int32:
+        if plan.native_lens is None:
+            plan.native_lens = torch.tensor(plan.decode_lens, dtype=torch.int64)
+        assert plan.decode_rows is not None
+        return native.decode_attention(q, k_cache, v_cache, plan.req_to_token, plan.decode_rows,
+                                       plan.native_lens, sm_scale)
     n, hq, d = q.shape
     hkv = k_cache.shape[1]
     qg = q.to(k_cache.dtype).reshape(n, hkv, hq // hkv, d)
-    if plan.decode_runs is not None:
+    gather = _gather_plan(plan)
+    if gather.runs is not None:
         outs = []
-        for i, (first, length) in enumerate(plan.decode_runs):
+        for i, (first, length) in enumerate(gather.runs):
             k = k_cache.narrow(0, first, length).transpose(0, 1)[None]
             v = v_cache.narrow(0, first, length).transpose(0, 1)[None]
             outs.append(F.scaled_dot_product_attention(qg[i : i + 1], k, v, scale=sm_scale))
         out = outs[0] if n == 1 else torch.cat(outs)
         return out.reshape(n, hq, d)
-    lmax = plan.decode_len
-    assert plan.decode_slots is not None
-    kbuf, vbuf = plan.gather_buffers(k_cache, plan.decode_slots.numel())
-    torch.index_select(k_cache.flatten(1), 0, plan.decode_slots, out=kbuf)
-    torch.index_select(v_cache.flatten(1), 0, plan.decode_slots, out=vbuf)
+    lmax = gather.lmax
+    kbuf, vbuf = plan.gather_buffers(k_cache, gather.slots.numel())
+    torch.index_select(k_cache.flatten(1), 0, gather.slots, out=kbuf)
+    torch.index_select(v_cache.flatten(1), 0, gather.slots, out=vbuf)
     k = kbuf.view(n, lmax, hkv, d).transpose(1, 2)
     v = vbuf.view(n, lmax, hkv, d).transpose(1, 2)
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=plan.decode_mask, scale=sm_scale)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=gather.mask, scale=sm_scale)
     return out.reshape(n, hq, d)
 
 

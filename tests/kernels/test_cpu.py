@@ -85,11 +85,13 @@ def test_torch_backend_is_cpu_and_checks_shapes():
 @pytest.mark.parametrize(("prefix", "contiguous", "views"), [
     ([60], True, True), ([60], False, False), ([60, 8], True, False),
 ])
-def test_decode_path_choice(prefix, contiguous, views):
-    """A lone one-run decode request reads views; batches and scattered slots are gathered."""
+def test_decode_path_choice(prefix, contiguous, views, monkeypatch):
+    """Without the native kernel, a lone one-run decode request reads views; batches and
+    scattered slots are gathered."""
+    monkeypatch.setattr(cpu.native, "supports", lambda q, k_cache: False)
     b = make_batch(prefix, [1] * len(prefix), num_q_heads=6, num_kv_heads=2, head_dim=16,
                    dtype=torch.float32, device="cpu", workspace=False, contiguous=contiguous)
     out = cpu.attention(b.q, b.k, b.v, k_cache=b.k_cache, v_cache=b.v_cache, meta=b.meta,
                         sm_scale=0.25)
-    assert (b.meta.backend_cache["cpu"].decode_runs is not None) == views
+    assert (b.meta.backend_cache["cpu"].gather.runs is not None) == views
     assert (out.double() - dense_oracle(b, 0.25)).abs().max().item() <= 1e-5

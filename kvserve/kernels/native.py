@@ -1,0 +1,164 @@
+"""C kernels for the CPU backend, compiled at first use for the CPU they run on.
+
+`decode_attention` (csrc/decode_attention.c) attends decode queries to their requests'
+K/V in place in the pool, reading each slot once, where the torch path gathers K/V copies
+for `F.scaled_dot_product_attention` (issue 18). The source is built with the system C
+compiler (``cc -O3 -march=native -fopenmp``) into a per-user cache keyed by the source, the
+compiler and the CPU's flags, and loaded with ctypes (no torch headers: the build takes
+about a second). OpenMP resolves to the runtime torch has already loaded, so the kernel
+runs on torch's threads (`torch.set_num_threads`).
+
+`available()` is False, and the backend keeps its torch path, where no compiler is found,
+the build fails (logged once), or KVSERVE_NATIVE=0 is set (for A/B measurements). Imports
+only torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("kvserve.kernels")
+
+SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fassociative-math",
+         "-fno-signed-zeros", "-fno-trapping-math", "-shared", "-fPIC")
+"""Reassociation lets the compiler vectorize the dot products' sums; no finite-math
+assumptions (the softmax starts from -inf)."""
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+_I64 = ctypes.c_int64
+_P = ctypes.c_void_p
+_KERNELS = {torch.bfloat16: "kvs_decode_attention_bf16", torch.float32: "kvs_decode_attention_f32"}
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvserve" / "native"
+
+
+def build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """Compile (or find in the cache) and load the kernels; None, logged, where that fails.
+    `extra_flags` follow FLAGS (tests build the portable path with ``-mno-avx512f``)."""
+    cc = shutil.which(os.environ.get("CC", "cc"))
+    if cc is None:
+        log.warning("no C compiler found: the CPU backend gathers K/V for decode attention")
+        return None
+    flags = FLAGS + tuple(extra_flags)
+    source = SOURCE.read_bytes()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha256(b"\0".join([source, version.encode(), _cpu_flags().encode(),
+                                     " ".join(flags).encode()])).hexdigest()[:20]
+    target = cache_dir() / f"decode_attention-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        run = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True,
+                             text=True, check=False)
+        if run.returncode != 0:
+            os.unlink(tmp)
+            log.warning("building %s failed (the CPU backend gathers K/V instead): %s", SOURCE.name,
+                        run.stderr.strip()[-2000:])
+            return None
+        os.replace(tmp, target)  # atomic: processes building at once each load a whole file
+    lib = ctypes.CDLL(str(target))
+    for name in _KERNELS.values():
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64,
+                       ctypes.c_float]
+    lib.kvs_limits.argtypes = [ctypes.POINTER(_I64), ctypes.POINTER(_I64)]
+    lib.kvs_avx512_bf16.restype = ctypes.c_int
+    return lib
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _tried
+    if _tried:
+        return _lib
+    with _lock:
+        if not _tried:
+            if os.environ.get("KVSERVE_NATIVE", "1") != "0":
+                try:
+                    _lib = build()
+                except OSError as e:
+                    log.warning("loading the native CPU kernels failed (the torch path runs): %s", e)
+            _tried = True
+    return _lib
+
+
+def limits() -> tuple[int, int]:
+    """(largest q heads per KV head, largest head_dim) the kernel takes."""
+    lib = _load()
+    if lib is None:
+        return 0, 0
+    g, d = _I64(), _I64()
+    lib.kvs_limits(ctypes.byref(g), ctypes.byref(d))
+    return g.value, d.value
+
+
+def available() -> bool:
+    return _load() is not None
+
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether `decode_attention` takes these (CPU, bf16 or fp32, head counts and D in bounds)."""
+    if k_cache.device.type != "cpu" or k_cache.dtype not in _KERNELS or not available():
+        return False
+    max_group, max_d = limits()
+    hq, hkv, d = q.shape[1], k_cache.shape[1], k_cache.shape[2]
+    return hq % hkv == 0 and hq // hkv <= max_group and d <= max_d
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     req_to_token: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor,
+                     sm_scale: float, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """q [B, Hq, D] -> [B, Hq, D] (cache dtype): row b attends to the K/V at slots
+    req_to_token[rows[b], :lens[b]] of k_cache/v_cache [size, Hkv, D]. `rows` and `lens` are
+    int64 [B]; ValueError names a slot outside the pool. `lib`: another build (tests)."""
+    lib = lib or _load()
+    assert lib is not None, "decode_attention called where available() is False"
+    dtype = k_cache.dtype
+    q = q.to(dtype).contiguous()
+    out = torch.empty_like(q)
+    b, hq, d = q.shape
+    size, hkv, _ = k_cache.shape
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and req_to_token.is_contiguous()
+            and req_to_token.dtype == torch.int32 and rows.dtype == torch.int64
+            and lens.dtype == torch.int64 and rows.shape == lens.shape == (b,)
+            and v_cache.shape == k_cache.shape and v_cache.dtype == dtype):
+        raise ValueError("decode_attention: contiguous caches, int32 req_to_token, int64 rows/lens")
+    with torch.profiler.record_function("kvserve::decode_attention"):
+        bad = getattr(lib, _KERNELS[dtype])(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+            req_to_token.data_ptr(), req_to_token.shape[0], req_to_token.shape[1], rows.data_ptr(), lens.data_ptr(), b,
+            hq, hkv, d, size, sm_scale)
+    if bad < 0:
+        raise ValueError(f"decode_attention: batch row {-bad - 1} names row {int(rows[-bad - 1])} or "
+                         f"length {int(lens[-bad - 1])} outside req_to_token {tuple(req_to_token.shape)}")
+    if bad:
+        raise ValueError(f"decode_attention: batch row {bad - 1} has a slot outside the pool of {size}")
+    return out

@@ -1,0 +1,90 @@
+"""kvserve.kernels.native: the C decode attention, in place over the pool, against float64
+attention on the gathered K/V (both builds: this CPU's, and the portable one without AVX-512)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from kvserve.kernels import native
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+
+
+@pytest.fixture(scope="module", params=["native", "portable"])
+def lib(request):
+    built = native.build() if request.param == "native" else native.build(("-mno-avx512f",))
+    assert built is not None, "the kernels did not build with the system compiler"
+    if request.param == "portable":
+        assert built.kvs_avx512_bf16() == 0
+    return built
+
+
+def oracle(q, k_cache, v_cache, r2t, rows, lens, scale):
+    out = []
+    hq, hkv = q.shape[1], k_cache.shape[1]
+    for b in range(q.shape[0]):
+        slots = r2t[rows[b], : lens[b]].long()
+        k = k_cache[slots].double().repeat_interleave(hq // hkv, dim=1)  # [L, Hq, D]
+        v = v_cache[slots].double().repeat_interleave(hq // hkv, dim=1)
+        w = torch.softmax(torch.einsum("hd,lhd->hl", q[b].double() * scale, k), dim=-1)
+        out.append(torch.einsum("hl,lhd->hd", w, v))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("hq", "hkv", "d", "lens"), [
+    (9, 3, 64, [1, 31, 32, 33, 200]),  # the default model's heads; block edges
+    (8, 1, 128, [70, 5]),  # group 8, D 128
+    (4, 4, 48, [65, 17, 1]),  # group 1, a D without a fixed-length loop
+])
+def test_matches_attention_on_gathered_kv(lib, dtype, hq, hkv, d, lens):
+    g = torch.Generator().manual_seed(d + len(lens))
+    size = 1024
+    k_cache = torch.randn(size, hkv, d, generator=g).to(dtype)
+    v_cache = torch.randn(size, hkv, d, generator=g).to(dtype)
+    r2t = torch.full((8, 512), -1, dtype=torch.int32)
+    rows = torch.tensor([5, 0, 7, 2, 3][: len(lens)], dtype=torch.int64)
+    for row, n in zip(rows.tolist(), lens, strict=True):
+        r2t[row, :n] = torch.randperm(size, generator=g)[:n].int()  # scattered slots
+    q = torch.randn(len(lens), hq, d, generator=g).to(dtype)
+    lens_t = torch.tensor(lens, dtype=torch.int64)
+    out = native.decode_attention(q, k_cache, v_cache, r2t, rows, lens_t, d**-0.5, lib=lib)
+    assert out.dtype == dtype and out.shape == q.shape
+    err = (out.double() - oracle(q, k_cache, v_cache, r2t, rows, lens, d**-0.5)).abs().max().item()
+    tol = 1e-5 if dtype == torch.float32 else 1.6e-2
+    assert err <= tol, f"max abs error {err:.3g} > {tol}"
+
+
+def test_slot_outside_the_pool_is_refused(lib):
+    k_cache = torch.zeros(64, 3, 64, dtype=torch.bfloat16)
+    r2t = torch.zeros(4, 128, dtype=torch.int32)
+    r2t[1, :40] = torch.arange(40, dtype=torch.int32)
+    r2t[1, 37] = 64  # one past the pool
+    q = torch.zeros(2, 9, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="batch row 1 has a slot outside the pool of 64"):
+        native.decode_attention(q, k_cache, k_cache, r2t, torch.tensor([0, 1]), torch.tensor([3, 40]),
+                                0.125, lib=lib)
+
+
+def test_the_cpu_backend_takes_it_for_decode():
+    """Where it builds, the production CPU backend's decode reads the pool in place."""
+    assert native.available()
+    q = torch.zeros(1, 9, 64, dtype=torch.bfloat16)
+    assert native.supports(q, torch.zeros(4, 3, 64, dtype=torch.bfloat16))
+    assert not native.supports(q, torch.zeros(4, 3, 64, dtype=torch.float16))
+
+
+@pytest.mark.parametrize(("rows", "lens", "what"), [
+    ([0, 4], [3, 3], "batch row 1 names row 4 or length 3"),
+    ([0, 1], [3, 129], "batch row 1 names row 1 or length 129"),
+    ([0, 1], [0, 3], "batch row 0 names row 0 or length 0"),
+])
+def test_rows_and_lengths_outside_req_to_token_are_refused(lib, rows, lens, what):
+    k_cache = torch.zeros(64, 3, 64, dtype=torch.bfloat16)
+    q = torch.zeros(2, 9, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=what):
+        native.decode_attention(q, k_cache, k_cache, torch.zeros(4, 128, dtype=torch.int32),
+                                torch.tensor(rows), torch.tensor(lens), 0.125, lib=lib)
