@@ -41,26 +41,28 @@ def phase_sums(metrics: RunnerMetrics) -> dict[str, float]:
 
 
 def compare_native(sched: Scheduler, steps: int, rounds: int, batch: int) -> None:
-    """Median decode step with the native decode attention on and off, alternating rounds."""
+    """Median decode step with the native kernels (decode attention, RMS norm) on and off,
+    alternating rounds."""
     import statistics
 
     from kvserve.kernels import native
 
-    supports = native.supports
+    supports, rowwise = native.supports, native.rowwise
     times: dict[bool, list[float]] = {True: [], False: []}
     for r in range(2 * rounds):
         on = r % 2 == 0
         native.supports = supports if on else (lambda q, k_cache: False)
+        native.rowwise = rowwise if on else (lambda x: False)
         try:
             t0 = time.perf_counter()
             for _ in range(steps):
                 sched.step()
             times[on].append((time.perf_counter() - t0) / steps)
         finally:
-            native.supports = supports
+            native.supports, native.rowwise = supports, rowwise
     on, off = statistics.median(times[True]), statistics.median(times[False])
-    print(f"   native decode attention {'available' if native.available() else 'NOT available'}: "
-          f"median step {on * 1000:.2f} ms ({batch / on:.1f} tok/s) vs gather + SDPA {off * 1000:.2f} ms "
+    print(f"   native kernels {'available' if native.available() else 'NOT available'}: "
+          f"median step {on * 1000:.2f} ms ({batch / on:.1f} tok/s) vs torch ops {off * 1000:.2f} ms "
           f"({batch / off:.1f} tok/s): {off / on:.2f}x", flush=True)
 
 
@@ -75,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-pack", action="store_true", help="plain F.linear GEMMs (kvserve.model.quant.pack off)")
     ap.add_argument("--no-profile", action="store_true", help="timings only")
     ap.add_argument("--compare-native", type=int, default=0, metavar="ROUNDS",
-                    help="A/B the native decode attention (kvserve.kernels.native) against the "
-                         "torch gather + SDPA path in the same process: ROUNDS alternating rounds "
+                    help="A/B the native kernels (kvserve.kernels.native: decode attention, RMS "
+                         "norm) against the torch ops in the same process: ROUNDS alternating rounds "
                          "of --steps steps each, medians printed (implies --no-profile)")
     ap.add_argument("--packed-rows", type=int, default=0,
                     help="rows above which quantized projections take their dense copy (default DENSE_ROWS)")

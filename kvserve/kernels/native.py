@@ -29,7 +29,7 @@ import torch
 
 log = logging.getLogger("kvserve.kernels")
 
-SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("decode_attention.c", "elementwise.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fassociative-math",
          "-fno-signed-zeros", "-fno-trapping-math", "-shared", "-fPIC")
 """Reassociation lets the compiler vectorize the dot products' sums; no finite-math
@@ -41,6 +41,7 @@ _tried = False
 _I64 = ctypes.c_int64
 _P = ctypes.c_void_p
 _KERNELS = {torch.bfloat16: "kvs_decode_attention_bf16", torch.float32: "kvs_decode_attention_f32"}
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
 def _cpu_flags() -> str:
@@ -66,20 +67,20 @@ def build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         log.warning("no C compiler found: the CPU backend gathers K/V for decode attention")
         return None
     flags = FLAGS + tuple(extra_flags)
-    source = SOURCE.read_bytes()
+    source = b"\0".join(path.read_bytes() for path in SOURCES)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256(b"\0".join([source, version.encode(), _cpu_flags().encode(),
                                      " ".join(flags).encode()])).hexdigest()[:20]
-    target = cache_dir() / f"decode_attention-{key}.so"
+    target = cache_dir() / f"kernels-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
-        run = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True,
+        run = subprocess.run([cc, *flags, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True,
                              text=True, check=False)
         if run.returncode != 0:
             os.unlink(tmp)
-            log.warning("building %s failed (the CPU backend gathers K/V instead): %s", SOURCE.name,
+            log.warning("building the native CPU kernels failed (the torch paths run): %s",
                         run.stderr.strip()[-2000:])
             return None
         os.replace(tmp, target)  # atomic: processes building at once each load a whole file
@@ -89,6 +90,8 @@ def build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         fn.restype = ctypes.c_int
         fn.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64,
                        ctypes.c_float]
+    for kind in ("bf16", "f32"):
+        getattr(lib, f"kvs_rms_norm_{kind}").argtypes = [_P, _P, _P, _I64, _I64, _I64, ctypes.c_float]
     lib.kvs_limits.argtypes = [ctypes.POINTER(_I64), ctypes.POINTER(_I64)]
     lib.kvs_avx512_bf16.restype = ctypes.c_int
     return lib
@@ -162,3 +165,24 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if bad:
         raise ValueError(f"decode_attention: batch row {bad - 1} has a slot outside the pool of {size}")
     return out
+
+
+def rowwise(x: torch.Tensor) -> bool:
+    """Whether `rms_norm` takes `x` (a contiguous bf16 or fp32 CPU tensor)."""
+    return x.device.type == "cpu" and x.dtype in _SUFFIX and x.is_contiguous() and available()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x / rms(x)) over the last dim, normalised in float32 and rounded to x's
+    dtype before the weight, as transformers' LlamaRMSNorm (`rowwise(x)` must hold)."""
+    lib = _load()
+    assert lib is not None
+    dim = x.shape[-1]
+    if weight.dtype != x.dtype or weight.shape != (dim,) or not weight.is_contiguous():
+        raise ValueError(f"rms_norm: weight must be contiguous [{dim}] {x.dtype}")
+    out = torch.empty_like(x)
+    rows = x.numel() // dim if dim else 0
+    getattr(lib, "kvs_rms_norm_" + _SUFFIX[x.dtype])(x.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                                                     rows, dim, dim, eps)
+    return out
+

@@ -1,5 +1,6 @@
 """kvserve.kernels.native: the C decode attention, in place over the pool, against float64
-attention on the gathered K/V (both builds: this CPU's, and the portable one without AVX-512)."""
+attention on the gathered K/V, and the RMS norm against torch's ops (both builds: this
+CPU's, and the portable one without AVX-512)."""
 
 from __future__ import annotations
 
@@ -88,3 +89,29 @@ def test_rows_and_lengths_outside_req_to_token_are_refused(lib, rows, lens, what
     with pytest.raises(ValueError, match=what):
         native.decode_attention(q, k_cache, k_cache, torch.zeros(4, 128, dtype=torch.int32),
                                 torch.tensor(rows), torch.tensor(lens), 0.125, lib=lib)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 33, 300])
+def test_rms_norm_rounds_as_torch(lib, dtype, rows, monkeypatch):
+    monkeypatch.setattr(native, "_load", lambda: lib)
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 576, generator=g) * 3).to(dtype)
+    w = (torch.rand(576, generator=g) + 0.5).to(dtype)
+    xf = x.float()
+    expected = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    out = native.rms_norm(x, w, 1e-5)
+    assert out.dtype == dtype and out.shape == x.shape
+    # the float32 sum's order may differ: in bfloat16 at most one unit in the last place,
+    # rarely; in float32 a few (the 1/rms, the product and the weight's product each round)
+    ulps = 1 if dtype == torch.bfloat16 else 4
+    bound = ulps * torch.finfo(dtype).eps * expected.float().abs().clamp_min(1e-30)
+    assert ((out.float() - expected.float()).abs() <= bound).all()
+    if dtype == torch.bfloat16:
+        assert (out != expected).float().mean().item() < 0.01
+
+
+def test_rms_norm_refuses_a_weight_of_another_shape():
+    x = torch.zeros(2, 576, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"weight must be contiguous \[576\] torch.bfloat16"):
+        native.rms_norm(x, torch.ones(575, dtype=torch.bfloat16), 1e-5)
