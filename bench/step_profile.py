@@ -41,8 +41,8 @@ def phase_sums(metrics: RunnerMetrics) -> dict[str, float]:
 
 
 def compare_native(sched: Scheduler, steps: int, rounds: int, batch: int) -> None:
-    """Median decode step with the native kernels (decode attention, RMS norm) on and off,
-    alternating rounds."""
+    """Median decode step with the native kernels (decode attention, RMS norm, rotary, KV
+    store) on and off, alternating rounds."""
     import statistics
 
     from kvserve.kernels import native
@@ -52,7 +52,7 @@ def compare_native(sched: Scheduler, steps: int, rounds: int, batch: int) -> Non
     for r in range(2 * rounds):
         on = r % 2 == 0
         native.supports = supports if on else (lambda q, k_cache: False)
-        native.rowwise = rowwise if on else (lambda x: False)
+        native.rowwise = rowwise if on else (lambda x: False)  # RMS norm, rotary, KV store
         try:
             t0 = time.perf_counter()
             for _ in range(steps):
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-profile", action="store_true", help="timings only")
     ap.add_argument("--compare-native", type=int, default=0, metavar="ROUNDS",
                     help="A/B the native kernels (kvserve.kernels.native: decode attention, RMS "
-                         "norm) against the torch ops in the same process: ROUNDS alternating rounds "
+                         "norm, rotary, KV store) against the torch ops in the same process: ROUNDS alternating rounds "
                          "of --steps steps each, medians printed (implies --no-profile)")
     ap.add_argument("--packed-rows", type=int, default=0,
                     help="rows above which quantized projections take their dense copy (default DENSE_ROWS)")

@@ -222,8 +222,12 @@ def attention(
 ) -> torch.Tensor:
     """Store k/v ([T, Hkv, D]) at meta.out_cache_loc, then attend; returns [T, Hq, D]."""
     check_attention_args(q, k, v, meta)
-    k_cache.index_copy_(0, meta.out_cache_loc, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, meta.out_cache_loc, v.to(v_cache.dtype))
+    if native.rowwise(k_cache) and k.dtype == v.dtype == k_cache.dtype:
+        native.store_rows(k, k_cache, meta.out_cache_loc)
+        native.store_rows(v, v_cache, meta.out_cache_loc)
+    else:
+        k_cache.index_copy_(0, meta.out_cache_loc, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, meta.out_cache_loc, v.to(v_cache.dtype))
     plan = _plan(meta)
     if meta.is_decode:
         return _decode(q, k_cache, v_cache, plan, sm_scale).to(q.dtype)

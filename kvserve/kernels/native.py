@@ -92,6 +92,8 @@ def build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
                        ctypes.c_float]
     for kind in ("bf16", "f32"):
         getattr(lib, f"kvs_rms_norm_{kind}").argtypes = [_P, _P, _P, _I64, _I64, _I64, ctypes.c_float]
+        getattr(lib, f"kvs_rotary_{kind}").argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64]
+    lib.kvs_store_rows.argtypes = [_P, _I64, _P, _I64, _P, _I64, _I64]
     lib.kvs_limits.argtypes = [ctypes.POINTER(_I64), ctypes.POINTER(_I64)]
     lib.kvs_avx512_bf16.restype = ctypes.c_int
     return lib
@@ -168,7 +170,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def rowwise(x: torch.Tensor) -> bool:
-    """Whether `rms_norm` takes `x` (a contiguous bf16 or fp32 CPU tensor)."""
+    """Whether `rms_norm` and `rotary` take `x` (a contiguous bf16 or fp32 CPU tensor)."""
     return x.device.type == "cpu" and x.dtype in _SUFFIX and x.is_contiguous() and available()
 
 
@@ -186,3 +188,54 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
                                                      rows, dim, dim, eps)
     return out
 
+
+
+def rotary(x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor,
+           positions: torch.Tensor) -> torch.Tensor:
+    """The first `heads` heads of each row of x [T, >= heads * D] (rows may be strided, the
+    values of a row contiguous) rotated in the rotate-half layout by their positions
+    (int64 [T]) with float32 cos/sin tables [P, D/2], rounding as torch's ops in x's dtype
+    do -> [T, heads, D]. ValueError names a position outside the tables."""
+    lib = _load()
+    assert lib is not None
+    tokens = x.shape[0]
+    half = cos.shape[1]
+    d = 2 * half
+    if not (x.device.type == "cpu" and x.dtype in _SUFFIX and x.dim() == 2 and x.stride(1) == 1
+            and x.shape[1] >= heads * d and cos.dtype == sin.dtype == torch.float32
+            and cos.is_contiguous() and sin.is_contiguous() and cos.shape == sin.shape
+            and positions.dtype == torch.int64 and positions.is_contiguous()
+            and positions.shape == (tokens,)):
+        raise ValueError("rotary: x [T, >= heads*D] with contiguous rows, float32 tables [P, D/2], "
+                         "int64 positions [T]")
+    out = x.new_empty(tokens, heads, d)
+    bad = getattr(lib, "kvs_rotary_" + _SUFFIX[x.dtype])(
+        x.data_ptr(), x.stride(0), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0],
+        positions.data_ptr(), tokens, heads, d)
+    if bad:
+        raise ValueError(f"rotary: position {int(positions[bad - 1])} of token {bad - 1} is outside "
+                         f"the tables of {cos.shape[0]}")
+    return out
+
+
+def store_rows(src: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor) -> None:
+    """cache[loc[t]] = src[t] for src [T, *row] (each token's row contiguous, tokens may be
+    strided) into cache [size, *row] of the same dtype (contiguous), loc int64 [T]: a
+    step's new K or V at their slots. ValueError names a slot outside the cache (then
+    nothing is written)."""
+    lib = _load()
+    assert lib is not None
+    tokens = src.shape[0]
+    row = cache[0].numel() if cache.shape[0] else 0
+    if not (src.dim() >= 2 and src.dtype == cache.dtype and cache.is_contiguous()
+            and src.shape[1:] == cache.shape[1:] and (tokens == 0 or src[0].is_contiguous())
+            and loc.dtype == torch.int64 and loc.is_contiguous() and loc.shape == (tokens,)
+            and src.device == cache.device):
+        raise ValueError("store_rows: src [T, *row] with contiguous rows, cache [size, *row] "
+                         "contiguous of the same dtype, int64 loc [T]")
+    size = src.element_size()
+    bad = lib.kvs_store_rows(src.data_ptr(), src.stride(0) * size, cache.data_ptr(), cache.shape[0],
+                             loc.data_ptr(), tokens, row * size)
+    if bad:
+        raise ValueError(f"store_rows: slot {int(loc[bad - 1])} of token {bad - 1} is outside the "
+                         f"cache of {cache.shape[0]}")

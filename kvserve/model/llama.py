@@ -24,6 +24,8 @@ from kvserve.model.quant import Linear, quantize
 
 # attend(layer, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> o [T, Hq, D]
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# rope(x [T, >= heads * D], heads) -> the first `heads` heads rotated, [T, heads, D]
+RopeFn = Callable[[torch.Tensor, int], torch.Tensor]
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,16 +77,32 @@ class Rotary(nn.Module):
         self.cos = freqs.cos()
         self.sin = freqs.sin()
 
+    def _ensure(self, positions: torch.Tensor) -> None:
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        if need > self.cos.shape[0]:
+            self._grow(max(need, 2 * self.cos.shape[0]))
+
     def tables(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for `positions` [T], shaped [T, 1, D/2] in `dtype`."""
-        need = int(positions.max()) + 1 if positions.numel() else 0
-        if need > self.cos.shape[0]:
-            self._grow(max(need, 2 * self.cos.shape[0]))
+        self._ensure(positions)
         cos = self.cos.index_select(0, positions).to(dtype).unsqueeze(1)
         sin = self.sin.index_select(0, positions).to(dtype).unsqueeze(1)
         return cos, sin
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype, use_native: bool) -> RopeFn:
+        """The rotation of one step's tokens at `positions` [T]: f(x [T, >= heads * D] with
+        contiguous rows, heads) -> the first `heads` heads rotated, [T, heads, D]. With
+        `use_native`, one pass of `kvserve.kernels.native.rotary` (the same numbers)."""
+        if use_native:
+            self._ensure(positions)
+            pos = positions.to(torch.int64).contiguous()
+            cos_t, sin_t = self.cos, self.sin
+            return lambda x, heads: native.rotary(x, heads, cos_t, sin_t, pos)
+        cos, sin = self.tables(positions, dtype)
+        d = 2 * self.cos.shape[1]
+        return lambda x, heads: apply_rotary(x.view(x.shape[0], heads, d), cos, sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -128,13 +146,13 @@ class DecoderLayer(nn.Module):
                 weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, attend: AttendFn
+        self, x: torch.Tensor, rope: RopeFn, layer: int, attend: AttendFn
     ) -> torch.Tensor:
         cfg = self.cfg
         t = x.shape[0]
         qkv = self.qkv(self.input_norm(x))
         n_qk = cfg.num_heads + cfg.num_kv_heads
-        qk = apply_rotary(qkv[:, : n_qk * cfg.head_dim].view(t, n_qk, cfg.head_dim), cos, sin)
+        qk = rope(qkv[:, : n_qk * cfg.head_dim], n_qk)
         q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
         v = qkv[:, n_qk * cfg.head_dim :].view(t, cfg.num_kv_heads, cfg.head_dim)
         o = attend(layer, q, k, v)
@@ -227,10 +245,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Run the flat batch `input_ids` [T] at `positions` [T]; float32 logits [B, vocab]
         for the tokens at `logits_indices` [B]."""
-        cos, sin = self.rotary.tables(positions, self.dtype)
         x = F.embedding(input_ids, self.embed)
+        rope = self.rotary.rope(positions, self.dtype, native.rowwise(x))
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, i, attend)
+            x = layer(x, rope, i, attend)
         x = self.norm(x.index_select(0, logits_indices))
         return self.head(x).float()
 

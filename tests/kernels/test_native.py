@@ -115,3 +115,50 @@ def test_rms_norm_refuses_a_weight_of_another_shape():
     x = torch.zeros(2, 576, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"weight must be contiguous \[576\] torch.bfloat16"):
         native.rms_norm(x, torch.ones(575, dtype=torch.bfloat16), 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rotary_gives_the_torch_ops_numbers_bit_for_bit(lib, dtype, monkeypatch):
+    from kvserve.model.llama import apply_rotary
+
+    monkeypatch.setattr(native, "_load", lambda: lib)
+    g = torch.Generator().manual_seed(7)
+    d, heads, tokens = 64, 12, 40
+    qkv = (torch.randn(tokens, 15 * d, generator=g) * 2).to(dtype)  # q+k heads, then v
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.arange(300).float()[:, None] * inv_freq[None, :]
+    cos_t, sin_t = freqs.cos(), freqs.sin()
+    positions = torch.randint(0, 300, (tokens,), generator=g)
+    out = native.rotary(qkv[:, : heads * d], heads, cos_t, sin_t, positions)
+    cos = cos_t[positions].to(dtype).unsqueeze(1)
+    sin = sin_t[positions].to(dtype).unsqueeze(1)
+    expected = apply_rotary(qkv[:, : heads * d].view(tokens, heads, d), cos, sin)
+    assert out.dtype == dtype and out.shape == (tokens, heads, d)
+    assert torch.equal(out, expected)
+
+
+def test_rotary_refuses_a_position_outside_the_tables():
+    tab = torch.zeros(10, 32)
+    x = torch.zeros(3, 2 * 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="position 10 of token 2 is outside the tables of 10"):
+        native.rotary(x, 2, tab, tab, torch.tensor([0, 9, 10]))
+
+
+def test_store_rows_puts_strided_rows_at_their_slots(lib, monkeypatch):
+    monkeypatch.setattr(native, "_load", lambda: lib)
+    qkv = torch.arange(5 * 15 * 8, dtype=torch.float32).view(5, 15 * 8).bfloat16()
+    v = qkv[:, 12 * 8 :].view(5, 3, 8)  # strided between tokens, each token's row contiguous
+    cache = torch.zeros(20, 3, 8, dtype=torch.bfloat16)
+    loc = torch.tensor([19, 0, 7, 8, 3])
+    native.store_rows(v, cache, loc)
+    expected = torch.zeros_like(cache)
+    expected.index_copy_(0, loc, v)
+    assert torch.equal(cache, expected)
+
+
+def test_store_rows_refuses_a_slot_outside_the_cache_and_writes_nothing(lib, monkeypatch):
+    monkeypatch.setattr(native, "_load", lambda: lib)
+    cache = torch.zeros(20, 3, 8)
+    with pytest.raises(ValueError, match="slot 20 of token 2 is outside the cache of 20"):
+        native.store_rows(torch.ones(3, 3, 8), cache, torch.tensor([0, 1, 20]))
+    assert not cache.any()
