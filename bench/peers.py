@@ -1,7 +1,13 @@
 """kvserve beside vLLM-CPU and llama.cpp's OpenAI server: one workload, one machine, one run.
 
 Every system is a real server on this machine, driven over HTTP by the project's own load
-generator (`kvserve bench --api openai`), one system at a time:
+generator (`kvserve bench --api openai`). All of them are started first and stay up (idle
+between their turns); then each round drives every level on every system in turn, level by
+level, so that a system's figures at a level are taken minutes, not a whole run, from the
+others' (this machine's speed drifts by a third from one ten-minute stretch to the next;
+a run of one system after the other once showed vLLM 40 % slower than the run before).
+With --rounds R each row is the round with the median output tok/s, with the range of all
+R beside it; the order of the systems turns by one each round.
 - kvserve: `kvserve serve` on the embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF)
   through its OpenAI HTTP face, at --dtype, with --quantization passed through;
 - vLLM-CPU: vllm-cpu 0.32.0 in its own venv (.peers/vllm), `vllm serve` in bf16 on a Hugging
@@ -28,6 +34,10 @@ server gets a short warm-up outside the figures.
     python bench/peers.py                                   # kvserve only
     python bench/peers.py --systems kvserve,vllm,llamacpp --levels 1,8 --num-requests 8 \\
         --markdown --json peers.json
+    python bench/peers.py --systems kvserve,vllm,llamacpp --rounds 3 --markdown
+
+llama.cpp runs only at the levels of --llamacpp-levels (default 1): its server takes one
+request at a time, so more streams only measure its queue.
 
 Prints one row per system and level (output tok/s, TTFT p50, inter-token p50, errors) under
 the CPU's model and flags and each side's dtype or quantization; --json writes the raw
@@ -47,7 +57,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -318,30 +328,65 @@ def free_port() -> int:
     return free_block(1)
 
 
-def measure(name: str, args: argparse.Namespace, prompts: dict[int, Path], tmp: Path) -> dict:
-    """Start one system, warm it up, run every level; {level: summary}."""
+def start(name: str, args: argparse.Namespace):
+    """The context manager that runs system `name` and yields its URL."""
     if name == "kvserve":
-        ctx = kvserve_server(args, tmp)
-    elif name == "vllm":
+        return kvserve_server(args, Path(args.tmp))
+    if name == "vllm":
         vllm, model, port = ensure_vllm(), ensure_hf_dir(), free_port()
         # A fixed KV cache: by default vLLM-CPU wants 92 % of the node's memory free at start.
-        ctx = server([vllm, "serve", model, "--dtype", "bfloat16", "--kv-cache-memory-bytes",
-                      str(KV_CACHE_BYTES), "--host", "127.0.0.1", "--port", port],
-                     f"http://127.0.0.1:{port}", "/health", LOGS / "vllm.log")
-    else:
-        py, port = ensure_llamacpp_server(), free_port()
-        ctx = server([py, "-c", LLAMA_SERVER, "--model", resolve_model(None),
-                      "--n_threads", os.cpu_count() or 1, "--interrupt_requests", "False",
-                      "--host", "127.0.0.1", "--port", port],
-                     f"http://127.0.0.1:{port}", "/v1/models", LOGS / "llamacpp.log")
-    levels: dict[int, dict] = {}
-    with ctx as url:
-        log(f"{name} serving at {url}; warm-up")
-        drive(url, 2, prompts[0], tmp)
-        for level in args.levels:
-            log(f"{name}: {level} streams")
-            levels[level] = drive(url, level, prompts[level], tmp)
-    return levels
+        return server([vllm, "serve", model, "--dtype", "bfloat16", "--kv-cache-memory-bytes",
+                       str(KV_CACHE_BYTES), "--host", "127.0.0.1", "--port", port],
+                      f"http://127.0.0.1:{port}", "/health", LOGS / "vllm.log")
+    py, port = ensure_llamacpp_server(), free_port()
+    return server([py, "-c", LLAMA_SERVER, "--model", resolve_model(None),
+                   "--n_threads", os.cpu_count() or 1, "--interrupt_requests", "False",
+                   "--host", "127.0.0.1", "--port", port],
+                  f"http://127.0.0.1:{port}", "/v1/models", LOGS / "llamacpp.log")
+
+
+def levels_of(name: str, args: argparse.Namespace) -> list[int]:
+    return args.llamacpp_levels if name == "llamacpp" else args.levels
+
+
+def measure(systems: list[str], args: argparse.Namespace, prompts: dict[int, Path],
+            tmp: Path) -> dict[str, dict]:
+    """Start every system, warm each up, then drive the levels round by round, system after
+    system; {system: {level: the median round's summary + "rounds_tok_s"}} or
+    {system: {"failed": why}}."""
+    results: dict[str, dict] = {}
+    runs: dict[str, dict[int, list[dict]]] = {}
+    with ExitStack() as stack:
+        urls: dict[str, str] = {}
+        for name in systems:
+            try:
+                urls[name] = stack.enter_context(start(name, args))
+                log(f"{name} serving at {urls[name]}; warm-up")
+                drive(urls[name], 2, prompts[0], tmp)
+                runs[name] = {level: [] for level in levels_of(name, args)}
+            except Exception as exc:  # one failed system leaves the others' rows
+                log(f"{name} failed: {exc}")
+                results[name] = {"failed": str(exc)[:300]}
+        for r in range(args.rounds):
+            order = [n for n in systems[r % len(systems):] + systems[:r % len(systems)] if n in runs]
+            for level in sorted({lv for n in order for lv in levels_of(n, args)}):
+                for name in order:
+                    if level not in runs.get(name, {}):
+                        continue
+                    log(f"round {r + 1}/{args.rounds}: {name}, {level} streams")
+                    try:
+                        runs[name][level].append(drive(urls[name], level, prompts[level], tmp))
+                    except Exception as exc:
+                        log(f"{name} failed: {exc}")
+                        results[name] = {"failed": str(exc)[:300]}
+                        del runs[name]
+    for name, levels in runs.items():
+        results[name] = {}
+        for level, summaries in levels.items():
+            ranked = sorted(summaries, key=lambda s: s["output_tokens_per_s"])
+            results[name][level] = dict(ranked[(len(ranked) - 1) // 2],
+                                        rounds_tok_s=[s["output_tokens_per_s"] for s in summaries])
+    return {name: results[name] for name in systems}
 
 
 def describe(name: str, args: argparse.Namespace) -> str:
@@ -359,7 +404,7 @@ def describe(name: str, args: argparse.Namespace) -> str:
             f"{os.cpu_count()} threads")
 
 
-COLUMNS = ("system", "streams", "requests", "in/out tok per req", "output tok/s", "TTFT p50 (ms)",
+COLUMNS = ("system", "streams", "requests", "in/out tok per req", "output tok/s (range)", "TTFT p50 (ms)",
            "inter-token p50 (ms)", "errors")
 
 
@@ -372,9 +417,12 @@ def rows(results: dict) -> list[list[str]]:
         for level, s in levels.items():
             errors = ", ".join(f"{k} {v}" for k, v in s["errors"].items()) or "0"
             prompt = f"{s['prompt_tokens_mean']:.0f}" if s["prompt_tokens_mean"] else "-"
+            spread = s.get("rounds_tok_s", [])
+            tok_s = f"{s['output_tokens_per_s']:.1f}" + (
+                f" ({min(spread):.1f}-{max(spread):.1f})" if len(spread) > 1 else "")
             out.append([name, str(level), f"{s['ok']}/{s['requests']}",
                         f"{prompt}/{s['output_tokens_mean']:.0f}",
-                        f"{s['output_tokens_per_s']:.1f}", f"{s['ttft_p50_s'] * 1e3:.0f}",
+                        tok_s, f"{s['ttft_p50_s'] * 1e3:.0f}",
                         f"{s['itl_p50_s'] * 1e3:.1f}", errors])
     return out
 
@@ -402,10 +450,18 @@ def main() -> int:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="kvserve's dtype (default: %(default)s, serve's own choice for this CPU)")
     p.add_argument("--seed", type=int, default=0, help="prompt seed, the same for every system")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="rounds over every level and system; rows show the median round "
+                        "(default: %(default)s)")
+    p.add_argument("--llamacpp-levels", default="1",
+                   help="the levels llama.cpp runs at (default: %(default)s)")
     p.add_argument("--json", help="write the raw summaries here")
     p.add_argument("--markdown", action="store_true", help="print the table as markdown")
     args = p.parse_args()
     args.levels = [int(x) for x in args.levels.split(",") if x]
+    args.llamacpp_levels = [int(x) for x in args.llamacpp_levels.split(",") if x]
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
     systems = [s for s in args.systems.split(",") if s]
     unknown = set(systems) - {"kvserve", "vllm", "llamacpp"}
     if unknown:
@@ -414,24 +470,21 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     model, flags = cpu_info()
-    results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="kvs-peers-") as tmp_name:
         tmp, words = Path(tmp_name), vocab_words()
         LOGS.mkdir(parents=True, exist_ok=True)
         prompts = {0: write_prompts(tmp / "warmup.jsonl", words, f"{args.seed}/warm-up", 2, 16)}
-        for level in args.levels:
+        for level in sorted(set(args.levels) | set(args.llamacpp_levels)):
             n = args.num_requests or min(max(8, 2 * level), 128)
             prompts[level] = write_prompts(tmp / f"level-{level}.jsonl", words,
                                            f"{args.seed}/{level}", n, 64 if level >= 128 else 128)
-        for name in systems:
-            try:
-                results[name] = measure(name, args, prompts, tmp)
-            except Exception as exc:  # one failed system leaves the others' rows
-                log(f"{name} failed: {exc}")
-                results[name] = {"failed": str(exc)[:300]}
+        args.tmp = tmp_name
+        results = measure(systems, args, prompts, tmp)
     header = [f"CPU: {model}, {os.cpu_count()} cores; flags: {' '.join(flags) or 'none'}",
               f"workload: the same 128-token random-word prompts for all (--seed {args.seed}), "
-              "128 new tokens forced (64 at 128 streams), greedy, closed loop",
+              "128 new tokens forced (64 at 128 streams), greedy, closed loop; "
+              f"{args.rounds} round(s), every system up at once, levels interleaved"
+              + ("; rows are the median round, the range of all beside it" if args.rounds > 1 else ""),
               *(describe(name, args) for name in systems if "failed" not in results[name])]
     print(render(header, rows(results), args.markdown))
     if args.json:
