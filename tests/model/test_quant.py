@@ -199,3 +199,23 @@ def test_config_checks_the_mode() -> None:
         RunnerConfig(quantization="int3")
     with pytest.raises(ConfigError, match="^--quantization int8: runs on CPU only"):
         RunnerConfig(quantization="int8", device="cuda:0")
+
+
+def test_a_bf16_models_packed_head_takes_its_dense_copy_above_four_rows(tmp_path) -> None:
+    from kvserve.model.llama import HEAD_DENSE_ROWS
+    from kvserve.model.weights import load_model
+
+    if pack(torch.randn(96, 128, dtype=torch.bfloat16)) is None:
+        pytest.skip("no native bfloat16 GEMM on this CPU: the head keeps the int8 kernel to DENSE_ROWS")
+    path = write_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128)
+    head = load_model(str(path), dtype=torch.bfloat16, quantization="int4").model.head
+    assert head.dense_rows == HEAD_DENSE_ROWS == 4 and layer_rows() == DENSE_ROWS
+    x = torch.randn(HEAD_DENSE_ROWS + 1, 64, dtype=torch.bfloat16)
+    assert torch.equal(head(x), head.dense(x))
+    assert torch.equal(head(x[:HEAD_DENSE_ROWS]), head._mm(x[:HEAD_DENSE_ROWS]))
+
+
+def layer_rows() -> int:
+    from kvserve.model.quant import _WeightOnly
+
+    return _WeightOnly.dense_rows
