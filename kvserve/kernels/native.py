@@ -29,6 +29,7 @@ import torch
 
 log = logging.getLogger("kvserve.kernels")
 
+HEADERS = (Path(__file__).with_name("csrc") / "bf16.h",)
 SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("decode_attention.c", "elementwise.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fassociative-math",
          "-fno-signed-zeros", "-fno-trapping-math", "-shared", "-fPIC")
@@ -67,7 +68,7 @@ def build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         log.warning("no C compiler found: the CPU backend gathers K/V for decode attention")
         return None
     flags = FLAGS + tuple(extra_flags)
-    source = b"\0".join(path.read_bytes() for path in SOURCES)
+    source = b"\0".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256(b"\0".join([source, version.encode(), _cpu_flags().encode(),
                                      " ".join(flags).encode()])).hexdigest()[:20]

@@ -17,27 +17,13 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define BLOCK 32
 #define MAX_GROUP 8
 #define MAX_D 256
 #define PREFETCH 8
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
-
-static inline float f32_id(float f) { return f; }
 
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)

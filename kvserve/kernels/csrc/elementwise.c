@@ -16,23 +16,8 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float ew_bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
+#include "bf16.h"
 
-static inline uint16_t ew_f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline float ew_id(float f) { return f; }
-static inline float ew_round_bf16(float f) { return ew_bf16_to_f32(ew_f32_to_bf16(f)); }
 
 #define DEFINE_ROWWISE(SUFFIX, T, LOAD, STORE, ROUND)                                            \
 int kvs_rms_norm_##SUFFIX(const T *x, const T *weight, T *out, int64_t rows, int64_t dim,      \
@@ -49,8 +34,8 @@ int kvs_rms_norm_##SUFFIX(const T *x, const T *weight, T *out, int64_t rows, int
     return 0;                                                                                   \
 }
 
-DEFINE_ROWWISE(bf16, uint16_t, ew_bf16_to_f32, ew_f32_to_bf16, ew_round_bf16)
-DEFINE_ROWWISE(f32, float, ew_id, ew_id, ew_id)
+DEFINE_ROWWISE(bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
+DEFINE_ROWWISE(f32, float, f32_id, f32_id, f32_id)
 
 /* Rotary embedding, rotate-half layout: token t's `heads` heads of `d` values at
  * src + t * src_stride are rotated by position positions[t] (cos and sin from float32
@@ -87,8 +72,8 @@ int kvs_rotary_##SUFFIX(const T *src, int64_t src_stride, T *out, const float *c
     return bad;                                                                                 \
 }
 
-DEFINE_ROTARY(bf16, uint16_t, ew_bf16_to_f32, ew_f32_to_bf16, ew_round_bf16)
-DEFINE_ROTARY(f32, float, ew_id, ew_id, ew_id)
+DEFINE_ROTARY(bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
+DEFINE_ROTARY(f32, float, f32_id, f32_id, f32_id)
 
 /* dst[loc[t]] = the row_bytes at src + t * src_stride_bytes for each token t: a step's new
  * K or V rows into the pool (dst_rows slots of row_bytes).  Every slot is checked before
