@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.kernels import native
 from kvserve.model.config import ModelConfig
 from kvserve.model.quant import Linear, quantize
 
@@ -48,10 +47,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = _param(dim, dtype=dtype, device=device)
         self.eps = eps
+        self.row_ops: Any = None  # set by LlamaForCausalLM.use_row_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if native.rowwise(x):
-            return native.rms_norm(x, self.weight, self.eps)
+        ops = self.row_ops
+        if ops is not None and ops.rowwise(x):
+            return ops.rms_norm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -91,15 +92,16 @@ class Rotary(nn.Module):
         sin = self.sin.index_select(0, positions).to(dtype).unsqueeze(1)
         return cos, sin
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype, use_native: bool) -> RopeFn:
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype, ops: Any = None) -> RopeFn:
         """The rotation of one step's tokens at `positions` [T]: f(x [T, >= heads * D] with
         contiguous rows, heads) -> the first `heads` heads rotated, [T, heads, D]. With
-        `use_native`, one pass of `kvserve.kernels.native.rotary` (the same numbers)."""
-        if use_native:
+        `ops` (row ops, see `LlamaForCausalLM.use_row_ops`), one pass of its `rotary` (the
+        same numbers)."""
+        if ops is not None:
             self._ensure(positions)
             pos = positions.to(torch.int64).contiguous()
             cos_t, sin_t = self.cos, self.sin
-            return lambda x, heads: native.rotary(x, heads, cos_t, sin_t, pos)
+            return lambda x, heads: ops.rotary(x, heads, cos_t, sin_t, pos)
         cos, sin = self.tables(positions, dtype)
         d = 2 * self.cos.shape[1]
         return lambda x, heads: apply_rotary(x.view(x.shape[0], heads, d), cos, sin)
@@ -191,6 +193,18 @@ class LlamaForCausalLM(nn.Module):
         self.sm_scale = config.head_dim**-0.5
         self.head = Linear(self.lm_head, None)
         self.quantization = "none"
+        self.row_ops: Any = None
+
+    def use_row_ops(self, ops: Any) -> None:
+        """Run the RMS norms and the rotary embedding through `ops` where `ops.rowwise(x)`
+        holds: an object with `rowwise(x) -> bool`, `rms_norm(x, weight, eps)` and
+        `rotary(x, heads, cos_table, sin_table, positions)` giving these modules' numbers
+        (the runner passes `kvserve.kernels.native`; this package imports no kernels). None:
+        torch's ops."""
+        self.row_ops = ops
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.row_ops = ops
 
     def quantize(self, mode: str) -> None:
         """Weight-only quantization of the loaded model (`kvserve.model.quant`): the layers'
@@ -256,7 +270,8 @@ class LlamaForCausalLM(nn.Module):
         """Run the flat batch `input_ids` [T] at `positions` [T]; float32 logits [B, vocab]
         for the tokens at `logits_indices` [B]."""
         x = F.embedding(input_ids, self.embed)
-        rope = self.rotary.rope(positions, self.dtype, native.rowwise(x))
+        ops = self.row_ops
+        rope = self.rotary.rope(positions, self.dtype, ops if ops is not None and ops.rowwise(x) else None)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, i, attend)
         x = self.norm(x.index_select(0, logits_indices))

@@ -132,6 +132,12 @@ class Worker:
         self.loaded = load_model(cfg.model or None, dtype=getattr(torch, self.dtype), device=self.device,
                                  quantization=self.quantization)
         backend = get_backend(self.backend_name)
+        if str(self.device).startswith("cpu"):
+            from kvserve.kernels import native
+
+            # built now (about a second), not inside the first step while it holds a lease
+            log.info("native CPU kernels: %s", "loaded" if native.available()
+                     else "not available: the torch ops run")
         self.metrics = RunnerMetrics()
         self._http = serve_metrics(self.metrics.registry, cfg.metrics_port)
         if not self._attach():

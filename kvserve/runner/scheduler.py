@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from kvserve.kernels import native
 from kvserve.messages.frontend_runner import (
     ErrorCode,
     FinishReason,
@@ -135,6 +136,8 @@ class Scheduler:
         cfg = model.config
         self.vocab_size = int(cfg.vocab_size)
         self.device = torch.device(model.device)
+        if self.device.type == "cpu" and hasattr(model, "use_row_ops"):
+            model.use_row_ops(native)  # one-pass RMS norm and rotary where they build
         self.sampler = Sampler(device=self.device, seed=self.config.seed or None)
         self.table = RequestTable()
         self._outbox: list[TokenOut] = []

@@ -162,3 +162,40 @@ def test_store_rows_refuses_a_slot_outside_the_cache_and_writes_nothing(lib, mon
     with pytest.raises(ValueError, match="slot 20 of token 2 is outside the cache of 20"):
         native.store_rows(torch.ones(3, 3, 8), cache, torch.tensor([0, 1, 20]))
     assert not cache.any()
+
+
+def test_a_model_with_the_native_row_ops_gives_its_torch_logits(tmp_path):
+    """use_row_ops(native): the RMS norms and the rotary go through the kernels (counted),
+    and the logits stay those of torch's ops (bf16: a rare last-place difference in a norm)."""
+    from kvserve.model.weights import load_model
+    from tests.model.tinymodel import write_tiny_model
+
+    model = load_model(str(write_tiny_model(tmp_path / "tiny")), dtype=torch.bfloat16).model
+    calls = {"rms_norm": 0, "rotary": 0}
+
+    class Counted:
+        rowwise = staticmethod(native.rowwise)
+
+        def rms_norm(self, *a):
+            calls["rms_norm"] += 1
+            return native.rms_norm(*a)
+
+        def rotary(self, *a):
+            calls["rotary"] += 1
+            return native.rotary(*a)
+
+    def attend(_, q, k, v):
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return o.transpose(0, 1)
+
+    ids = torch.arange(3, 40)
+    run = lambda: model.forward_tokens(ids, torch.arange(len(ids)), attend, torch.arange(len(ids)))  # noqa: E731
+    plain = run()
+    model.use_row_ops(Counted())
+    fast = run()
+    layers = len(model.layers)
+    assert calls == {"rms_norm": 2 * layers + 1, "rotary": layers}
+    # equal here; a norm's rare last-place difference may move a logit slightly elsewhere
+    assert (fast - plain).abs().max().item() <= 0.02 * plain.abs().max().item()
+    assert (fast.argmax(-1) == plain.argmax(-1)).float().mean().item() >= 0.97
