@@ -2,11 +2,14 @@
 
 `decode_attention` (csrc/decode_attention.c) attends decode queries to their requests'
 K/V in place in the pool, reading each slot once, where the torch path gathers K/V copies
-for `F.scaled_dot_product_attention` (issue 18). The source is built with the system C
-compiler (``cc -O3 -march=native -fopenmp``) into a per-user cache keyed by the source, the
-compiler and the CPU's flags, and loaded with ctypes (no torch headers: the build takes
-about a second). OpenMP resolves to the runtime torch has already loaded, so the kernel
-runs on torch's threads (`torch.set_num_threads`).
+for `F.scaled_dot_product_attention` (issue 18); `store_rows` writes a step's K/V at its
+slots; `rms_norm` and `rotary` (csrc/elementwise.c) are the model's row ops, one pass each
+with torch's numbers (the runner hands them to the model: `LlamaForCausalLM.use_row_ops`).
+The sources are built with the system C compiler (``cc -O3 -march=native -fopenmp``) into a
+per-user cache keyed by the sources, the compiler, the flags and the CPU's flags, and loaded
+with ctypes (no torch headers: the build takes about a second). OpenMP resolves to the
+runtime torch has already loaded, so the kernels run on torch's threads
+(`torch.set_num_threads`).
 
 `available()` is False, and the backend keeps its torch path, where no compiler is found,
 the build fails (logged once), or KVSERVE_NATIVE=0 is set (for A/B measurements). Imports
@@ -16,6 +19,7 @@ only torch.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -115,8 +119,9 @@ def _load() -> ctypes.CDLL | None:
     return _lib
 
 
+@functools.cache
 def limits() -> tuple[int, int]:
-    """(largest q heads per KV head, largest head_dim) the kernel takes."""
+    """(largest q heads per KV head, largest head_dim) the decode attention takes."""
     lib = _load()
     if lib is None:
         return 0, 0
@@ -127,7 +132,6 @@ def limits() -> tuple[int, int]:
 
 def available() -> bool:
     return _load() is not None
-
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
