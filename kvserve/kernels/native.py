@@ -69,7 +69,7 @@ def build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     `extra_flags` follow FLAGS (tests build the portable path with ``-mno-avx512f``)."""
     cc = shutil.which(os.environ.get("CC", "cc"))
     if cc is None:
-        log.warning("no C compiler found: the CPU backend gathers K/V for decode attention")
+        log.warning("no C compiler found: the CPU backend and the model run torch's ops")
         return None
     flags = FLAGS + tuple(extra_flags)
     source = b"\0".join(path.read_bytes() for path in (*SOURCES, *HEADERS))

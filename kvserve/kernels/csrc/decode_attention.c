@@ -24,8 +24,6 @@
 #define MAX_D 256
 #define PREFETCH 8
 
-
-
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define HAVE_AVX512_BF16 1
@@ -125,8 +123,9 @@ static inline __attribute__((always_inline)) int item_bf16_avx512(
 }
 #endif
 
-/* One (request, KV head) item: returns 1 when a slot is outside the pool. */
-#define DEFINE_ITEM(NAME, T, LOAD, STORE, FAST)                                                       \
+/* One (request, KV head) item: returns 1 when a slot is outside the pool.  FAST_ITEM is the
+ * item function for head_dim 64 and 128 (NAME itself where no faster one is built). */
+#define DEFINE_ITEM(NAME, T, LOAD, STORE, FAST_ITEM)                                                     \
 static inline __attribute__((always_inline)) int NAME(                                          \
     const T *q, const T *k_cache, const T *v_cache, T *out, const int32_t *slots, int64_t len,  \
     int64_t hkv, int64_t g, int64_t group, const int64_t d, int64_t size, float sm_scale) {     \
@@ -200,14 +199,10 @@ int kvs_##NAME(const T *q, const T *k_cache, const T *v_cache, T *out,          
         const int32_t *slots = req_to_token + rows[b] * r2t_stride;                              \
         const int64_t off = (b * hq + g * group) * d;                                           \
         int oob;                                                                                \
-        if (FAST(d == 64))                                                                      \
-            oob = item_bf16_avx512(q + off, k_cache, v_cache, out + off, slots, lens[b], hkv, g, group, 64, size, sm_scale); \
-        else if (FAST(d == 128))                                                                \
-            oob = item_bf16_avx512(q + off, k_cache, v_cache, out + off, slots, lens[b], hkv, g, group, 128, size, sm_scale); \
-        else if (d == 64)                                                                       \
-            oob = NAME(q + off, k_cache, v_cache, out + off, slots, lens[b], hkv, g, group, 64, size, sm_scale); \
+        if (d == 64)                                                                            \
+            oob = FAST_ITEM(q + off, k_cache, v_cache, out + off, slots, lens[b], hkv, g, group, 64, size, sm_scale); \
         else if (d == 128)                                                                      \
-            oob = NAME(q + off, k_cache, v_cache, out + off, slots, lens[b], hkv, g, group, 128, size, sm_scale); \
+            oob = FAST_ITEM(q + off, k_cache, v_cache, out + off, slots, lens[b], hkv, g, group, 128, size, sm_scale); \
         else                                                                                    \
             oob = NAME(q + off, k_cache, v_cache, out + off, slots, lens[b], hkv, g, group, d, size, sm_scale); \
         if (oob) {                                                                              \
@@ -219,16 +214,11 @@ int kvs_##NAME(const T *q, const T *k_cache, const T *v_cache, T *out,          
 }
 
 #ifdef HAVE_AVX512_BF16
-#define FAST_BF16(cond) (cond)
+DEFINE_ITEM(decode_attention_bf16, uint16_t, bf16_to_f32, f32_to_bf16, item_bf16_avx512)
 #else
-#define FAST_BF16(cond) 0
-#define item_bf16_avx512 decode_attention_bf16
+DEFINE_ITEM(decode_attention_bf16, uint16_t, bf16_to_f32, f32_to_bf16, decode_attention_bf16)
 #endif
-#define NEVER(cond) 0
-DEFINE_ITEM(decode_attention_bf16, uint16_t, bf16_to_f32, f32_to_bf16, FAST_BF16)
-#undef item_bf16_avx512
-#define item_bf16_avx512(q, k, v, o, ...) decode_attention_f32(q, k, v, o, __VA_ARGS__)
-DEFINE_ITEM(decode_attention_f32, float, f32_id, f32_id, NEVER)
+DEFINE_ITEM(decode_attention_f32, float, f32_id, f32_id, decode_attention_f32)
 
 int kvs_limits(int64_t *max_group, int64_t *max_d) {
     *max_group = MAX_GROUP;
