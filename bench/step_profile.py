@@ -40,30 +40,51 @@ def phase_sums(metrics: RunnerMetrics) -> dict[str, float]:
     return {p: reg.get_sample_value("kvserve_runner_step_seconds_sum", {"phase": p}) or 0.0 for p in PHASES}
 
 
-def compare_native(sched: Scheduler, steps: int, rounds: int, batch: int) -> None:
-    """Median decode step with the native kernels (decode attention, RMS norm, rotary, KV
-    store) on and off, alternating rounds."""
+def int4_projections(model) -> list:
+    """The model's int4 projections with torch's packed copies, taken before the scheduler
+    hands them the native kernel (which frees those copies)."""
+    from kvserve.model.quant import Int4Linear
+
+    lins = [getattr(layer, name) for layer in model.layers for name in ("qkv", "o", "gate_up", "down")]
+    return [(lin, lin.packed, lin.scales_and_zeros) for lin in lins if isinstance(lin, Int4Linear)]
+
+
+def compare_native(sched: Scheduler, steps: int, rounds: int, batch: int, int4: list) -> None:
+    """Median decode step with the native kernels on (decode attention, RMS norm, rotary, KV
+    store, the 4-bit projections), with all but the 4-bit projections (torch's int4 kernel),
+    and off, alternating rounds."""
     import statistics
 
     from kvserve.kernels import native
 
     supports, rowwise = native.supports, native.rowwise
-    times: dict[bool, list[float]] = {True: [], False: []}
-    for r in range(2 * rounds):
-        on = r % 2 == 0
+    configs = ("native", "torch int4", "torch ops") if any(lin.ops for lin, _, _ in int4) else ("native", "torch ops")
+    times: dict[str, list[float]] = {c: [] for c in configs}
+
+    def use(config: str) -> None:
+        on = config != "torch ops"
         native.supports = supports if on else (lambda q, k_cache: False)
         native.rowwise = rowwise if on else (lambda x: False)  # RMS norm, rotary, KV store
+        for lin, packed, scales in int4:
+            if packed is not None:
+                lin.packed, lin.scales_and_zeros = packed, scales
+                lin.ops = native if config == "native" and lin.blocks is not None else None
+
+    for r in range(len(configs) * rounds):
+        config = configs[r % len(configs)]
+        use(config)
         try:
             t0 = time.perf_counter()
             for _ in range(steps):
                 sched.step()
-            times[on].append((time.perf_counter() - t0) / steps)
+            times[config].append((time.perf_counter() - t0) / steps)
         finally:
-            native.supports, native.rowwise = supports, rowwise
-    on, off = statistics.median(times[True]), statistics.median(times[False])
-    print(f"   native kernels {'available' if native.available() else 'NOT available'}: "
-          f"median step {on * 1000:.2f} ms ({batch / on:.1f} tok/s) vs torch ops {off * 1000:.2f} ms "
-          f"({batch / off:.1f} tok/s): {off / on:.2f}x", flush=True)
+            use("native")
+    med = {c: statistics.median(t) for c, t in times.items()}
+    print(f"   native kernels {'available' if native.available() else 'NOT available'}, 4-bit "
+          f"{'available' if native.int4_available() else 'NOT available'}: median step "
+          + ", ".join(f"{c} {v * 1000:.2f} ms ({batch / v:.1f} tok/s)" for c, v in med.items())
+          + f": native {med['torch ops'] / med['native']:.2f}x torch ops", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-profile", action="store_true", help="timings only")
     ap.add_argument("--compare-native", type=int, default=0, metavar="ROUNDS",
                     help="A/B the native kernels (kvserve.kernels.native: decode attention, RMS "
-                         "norm, rotary, KV store) against the torch ops in the same process: ROUNDS alternating rounds "
-                         "of --steps steps each, medians printed (implies --no-profile)")
+                         "norm, rotary, KV store, 4-bit projections) against the torch ops in the same process: "
+                         "ROUNDS alternating rounds of --steps steps each, medians printed (implies --no-profile)")
     ap.add_argument("--packed-rows", type=int, default=0,
                     help="rows above which quantized projections take their dense copy (default DENSE_ROWS)")
     args = ap.parse_args(argv)
@@ -104,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         client = MemClient(address, name="prof", timeout_s=30.0)
         mc = loaded.config
         client.attach(n_layers=mc.num_layers, n_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, dtype=dtype_name)
+        int4 = int4_projections(loaded.model) if args.compare_native else []
         try:
             for b in [int(x) for x in args.batch_sizes.split(",")]:
                 metrics = RunnerMetrics()
@@ -131,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                       + ", ".join(f"{p} {v * 1000:.2f}" for p, v in parts.items())
                       + f", rest (plan, batch build, emit) {other * 1000:.2f} ms", flush=True)
                 if args.compare_native:
-                    compare_native(sched, args.steps, args.compare_native, b)
+                    compare_native(sched, args.steps, args.compare_native, b, int4)
                 if args.no_profile or args.compare_native:
                     while sched.has_work():
                         sched.step()

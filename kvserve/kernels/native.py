@@ -4,7 +4,9 @@
 K/V in place in the pool, reading each slot once, where the torch path gathers K/V copies
 for `F.scaled_dot_product_attention` (issue 18); `store_rows` writes a step's K/V at its
 slots; `rms_norm` and `rotary` (csrc/elementwise.c) are the model's row ops, one pass each
-with torch's numbers (the runner hands them to the model: `LlamaForCausalLM.use_row_ops`).
+with torch's numbers, and `int4_mm` (csrc/int4_mm.c) its 4-bit projections on 8-bit
+activations where the CPU has AVX-512 VNNI (the runner hands them to the model:
+`LlamaForCausalLM.use_row_ops`).
 The sources are built with the system C compiler (``cc -O3 -march=native -fopenmp``) into a
 per-user cache keyed by the sources, the compiler, the flags and the CPU's flags, and loaded
 with ctypes (no torch headers: the build takes about a second). OpenMP resolves to the
@@ -18,6 +20,7 @@ only torch.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -34,7 +37,8 @@ import torch
 log = logging.getLogger("kvserve.kernels")
 
 HEADERS = (Path(__file__).with_name("csrc") / "bf16.h",)
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("decode_attention.c", "elementwise.c"))
+SOURCES = tuple(Path(__file__).with_name("csrc") / name
+                for name in ("decode_attention.c", "elementwise.c", "int4_mm.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fassociative-math",
          "-fno-signed-zeros", "-fno-trapping-math", "-shared", "-fPIC")
 """Reassociation lets the compiler vectorize the dot products' sums; no finite-math
@@ -47,6 +51,13 @@ _I64 = ctypes.c_int64
 _P = ctypes.c_void_p
 _KERNELS = {torch.bfloat16: "kvs_decode_attention_bf16", torch.float32: "kvs_decode_attention_f32"}
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+
+
+def _traced(name: str) -> contextlib.AbstractContextManager:
+    """A torch.profiler range named `name` while a profiler runs; nothing otherwise (a
+    record_function costs microseconds even with no profiler, and the decode step makes
+    hundreds of kernel calls)."""
+    return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
 
 
 def _cpu_flags() -> str:
@@ -101,6 +112,9 @@ def build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     lib.kvs_store_rows.argtypes = [_P, _I64, _P, _I64, _P, _I64, _I64]
     lib.kvs_limits.argtypes = [ctypes.POINTER(_I64), ctypes.POINTER(_I64)]
     lib.kvs_avx512_bf16.restype = ctypes.c_int
+    lib.kvs_int4_available.restype = ctypes.c_int
+    lib.kvs_int4_mm.restype = ctypes.c_int
+    lib.kvs_int4_mm.argtypes = [_P, ctypes.c_int, _I64, _I64, _I64, _P, _P, _P, _I64, _P, ctypes.c_int]
     return lib
 
 
@@ -161,7 +175,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             and lens.dtype == torch.int64 and rows.shape == lens.shape == (b,)
             and v_cache.shape == k_cache.shape and v_cache.dtype == dtype):
         raise ValueError("decode_attention: contiguous caches, int32 req_to_token, int64 rows/lens")
-    with torch.profiler.record_function("kvserve::decode_attention"):
+    with _traced("kvserve::decode_attention"):
         bad = getattr(lib, _KERNELS[dtype])(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
             req_to_token.data_ptr(), req_to_token.shape[0], req_to_token.shape[1], rows.data_ptr(), lens.data_ptr(), b,
@@ -244,3 +258,59 @@ def store_rows(src: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor) -> Non
     if bad:
         raise ValueError(f"store_rows: slot {int(loc[bad - 1])} of token {bad - 1} is outside the "
                          f"cache of {cache.shape[0]}")
+
+
+def int4_available() -> bool:
+    """Whether `int4_mm` runs here (the build targets AVX-512 BW, VL and VNNI)."""
+    lib = _load()
+    return lib is not None and bool(lib.kvs_int4_available())
+
+
+def int4_mm(x: torch.Tensor, nib: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+            lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """x [M, K] (bf16 or fp32, rows contiguous) @ W.T -> [M, N] in x's dtype, for the 4-bit
+    weight W in `kvserve.model.quant.int4_blocks`' layout: `nib` uint8 [N, K/2], the groups'
+    scales `d` and minima `m` float16 [N, K/32]. The activations are quantized to 8 bits per
+    group of 32 (csrc/int4_mm.c); each row's result depends on that row alone. `lib`: another
+    build (tests). One weight multiplied many times: `Int4Weight`, which checks it once."""
+    return Int4Weight(nib, d, m, lib)(x)
+
+
+class Int4Weight:
+    """A 4-bit weight checked once for `int4_mm`; calling it with x [M, K] multiplies (a
+    decode step makes one call per projection and layer: 4 per layer, each a few
+    microseconds of kernel, so the per-call Python is kept to a few checks of x)."""
+
+    __slots__ = ("n", "k", "_fn", "_weight", "_keep")
+
+    def __init__(self, nib: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+                 lib: ctypes.CDLL | None = None) -> None:
+        lib = lib or _load()
+        assert lib is not None, "int4_mm called where available() is False"
+        n, half = nib.shape if nib.dim() == 2 else (0, -1)
+        k = 2 * half
+        if not (nib.device.type == "cpu" and nib.dtype == torch.uint8 and nib.is_contiguous()
+                and k > 0 and k % 64 == 0 and d.dtype == m.dtype == torch.float16
+                and d.shape == m.shape == (n, k // 32) and d.is_contiguous() and m.is_contiguous()):
+            raise ValueError(f"int4_mm: nib uint8 [N, K/2] with K a multiple of 64, d and m float16 "
+                             f"[N, K/32]; got nib {tuple(nib.shape)} {nib.dtype}, d {tuple(d.shape)} "
+                             f"{d.dtype}, m {tuple(m.shape)} {m.dtype}")
+        if not lib.kvs_int4_available():
+            raise ValueError("int4_mm: this build has no 4-bit kernel (int4_available() is False)")
+        self.n, self.k = n, k
+        self._fn = lib.kvs_int4_mm
+        self._weight = (nib.data_ptr(), d.data_ptr(), m.data_ptr(), n)
+        self._keep = (nib, d, m)  # the pointers' owners
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not (x.dim() == 2 and x.shape[1] == self.k and x.dtype in _SUFFIX and x.stride(1) == 1
+                and x.device.type == "cpu"):
+            raise ValueError(f"int4_mm: x [M, {self.k}] bf16 or fp32 with contiguous rows, got x "
+                             f"{tuple(x.shape)} {x.dtype} strides {x.stride()}")
+        y = x.new_empty(x.shape[0], self.n)
+        bf16 = x.dtype == torch.bfloat16
+        with _traced("kvserve::int4_mm"):
+            rc = self._fn(x.data_ptr(), bf16, x.stride(0), x.shape[0], self.k, *self._weight, y.data_ptr(), bf16)
+        if rc:
+            raise MemoryError(f"int4_mm: no scratch for {x.shape[0]} rows of {self.k}")
+        return y

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.model.config import ModelConfig
-from kvserve.model.quant import Linear, quantize
+from kvserve.model.quant import Int4Linear, Linear, quantize
 
 # attend(layer, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> o [T, Hq, D]
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -200,11 +200,18 @@ class LlamaForCausalLM(nn.Module):
         holds: an object with `rowwise(x) -> bool`, `rms_norm(x, weight, eps)` and
         `rotary(x, heads, cos_table, sin_table, positions)` giving these modules' numbers
         (the runner passes `kvserve.kernels.native`; this package imports no kernels). None:
-        torch's ops."""
+        torch's ops. The int4 projections take `ops.Int4Weight` where the ops have one and
+        `ops.int4_available()` (`quant.Int4Linear.use_ops`: a choice made once)."""
         self.row_ops = ops
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.row_ops = ops
+        int4 = ops if hasattr(ops, "Int4Weight") else None
+        for layer in self.layers:
+            for name in ("qkv", "o", "gate_up", "down"):
+                lin = getattr(layer, name)
+                if isinstance(lin, Int4Linear):
+                    lin.use_ops(int4)
 
     def quantize(self, mode: str) -> None:
         """Weight-only quantization of the loaded model (`kvserve.model.quant`): the layers'

@@ -13,6 +13,13 @@ Both kernels take their activations in bfloat16 (whatever the model dtype; the o
 cast back): with float32 activations torch 2.13 takes a fallback 7-50× slower than a float32
 matmul on an AVX-512 CPU, with bfloat16 ones it beats it (bench/quant_fidelity.py).
 
+Where the runner's native kernels have a 4-bit one (AVX-512 VNNI: `LlamaForCausalLM.use_row_ops`
+hands it to `Int4Linear.use_ops`), int4 projections multiply through it instead: the same
+codes with the file's float16 scale and minimum (`int4_blocks` lays them out), on
+activations quantized to int8 per group of 32 as llama.cpp's Q4_1 dots do, integer dot
+products instead of torch's per-weight float conversion. The dense copies stay the grid of
+torch's kernel (bfloat16 scale and zero point).
+
 `auto` (the default) follows the file: on CPU, a GGUF whose projections are mostly 4-bit
 (Q4_0, Q4_1, Q4_K, IQ4) runs int4, mostly 5 to 8-bit (Q5_*, Q6_K, Q8_0) int8, and float
 weights (F32, F16, BF16, a Hugging Face directory) or a CUDA device run none: a quantized
@@ -28,6 +35,8 @@ weights). Knows torch; nothing about files, slots or scheduling.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -42,6 +51,12 @@ step the weights come cold from memory and the dense copy is 4x the bytes of int
 decode steps of the default model (bench/step_profile.py --packed-rows, 2026-12-05, Intel
 Xeon with AMX, ms) at 4 / 8 / 16 rows: dense above 3 rows 43-51 / 47-54 / 59-65, above 8
 27-31 / 42-53 / 60-69, above 16 27-32 / 41-46 / 75-82. So 8 stays."""
+NATIVE_INT4_DENSE_ROWS = 16
+"""The same switch for int4 projections on the native kernel, whose time grows more slowly
+with rows: whole decode steps of the default model, int4 native vs the dense copy from 8
+rows (bench/step_profile.py --packed-rows 32 vs 8, two runs each, 2026-12-05, Intel Xeon
+with AMX, ms) at 12 / 16 / 24 / 32 rows: 21.6-27.6 vs 28.2, 24.5-25.7 vs 29.9-30.2,
+34.5-36.7 vs 34.9, 42.6-42.9 vs 38.1-39.5."""
 GROUP = 32
 _INNER_K_TILES = 2  # the CPU packing's K tiling (K must be a multiple of 16 × this)
 ACT = torch.bfloat16  # the kernels' activation dtype
@@ -159,19 +174,76 @@ def int4_dequantized(weight: torch.Tensor, group: int = GROUP,
     return ((q.float().reshape(n, k // group, group) - 8.0) * s + z).reshape(n, k)
 
 
+BLOCK = 16
+"""Groups per block of `int4_blocks`' layout (one per 32-bit lane of a 512-bit register)."""
+
+
+def int4_blocks(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The 4-bit weight w = scale * q + low (q [N, K] in 0..15, K a multiple of 64; scale and
+    low [N, K/32]: Q4_1's d and m) in the layout of the native kernel
+    (kvserve/kernels/csrc/int4_mm.c): (nib uint8 [N, K/2], d float16 [N, K/32], m float16).
+
+    Each row's codes, two to a byte, in blocks of 16 groups (512 inputs, 256 bytes): byte
+    4j + t of the block's 64-byte chunk i holds input 8i + t of group j in its low nibble and
+    input 8i + 4 + t in its high one, so that a chunk's low (high) nibbles are one 512-bit
+    register with inputs 4u..4u+3 of every group in that group's 32-bit lane (u = 2i, 2i+1).
+    The groups after the last whole block (an even number) go in pairs: byte t of a pair's 32
+    holds input t of its first group low and of its second high."""
+    n, k = q.shape
+    if k % 64:
+        raise ValueError(f"int4_blocks: K must be a multiple of 64, got {k}")
+    q8 = q.to(torch.uint8)
+    whole = k // (GROUP * BLOCK) * GROUP * BLOCK
+    blocks = q8[:, :whole].reshape(n, whole // (GROUP * BLOCK), BLOCK, 4, 2, 4).permute(0, 1, 3, 4, 2, 5)
+    blocks = (blocks[:, :, :, 0] | (blocks[:, :, :, 1] << 4)).reshape(n, whole // 2)
+    pairs = q8[:, whole:].reshape(n, (k - whole) // 64, 2, GROUP)
+    pairs = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, (k - whole) // 2)
+    return torch.cat([blocks, pairs], 1).contiguous(), scale.to(torch.float16).contiguous(), \
+        low.to(torch.float16).contiguous()
+
+
 class Int4Linear(_WeightOnly):
-    """Group-wise asymmetric int4 weight, packed for torch's CPU int4 kernel."""
+    """Group-wise asymmetric int4 weight, packed for torch's CPU int4 kernel, and where K is a
+    multiple of 64 also in `int4_blocks`' layout for a native kernel (`use_ops`)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: int = GROUP) -> None:
         q, scale, zero = int4_groups(weight, group)
         self.group = group
-        self.packed = torch._convert_weight_to_int4pack_for_cpu(q, _INNER_K_TILES)
+        self.packed: torch.Tensor | None = torch._convert_weight_to_int4pack_for_cpu(q, _INNER_K_TILES)
         self.scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=2).to(ACT).contiguous()  # [K/group, N, 2]
         self.bias = bias
+        self.blocks = int4_blocks(q, scale, zero - 8.0 * scale) if group == GROUP and q.shape[1] % 64 == 0 else None
+        self.ops: Any = None
+        self.kernel: Any = None
+
+    def use_ops(self, ops: Any) -> None:
+        """Multiply through `ops.Int4Weight(nib, d, m)` (a callable: bf16 or fp32 x [M, K] ->
+        [M, N]) where `ops.int4_available()` holds, and free torch's packed copy; otherwise
+        drop the blocks and keep torch's kernel. Once chosen, the choice stays (either copy
+        is freed)."""
+        if self.ops is not None or self.blocks is None or self.packed is None:
+            return
+        if ops is not None and ops.int4_available():
+            self.kernel = ops.Int4Weight(*self.blocks)
+            self.ops, self.packed, self.scales_and_zeros = ops, None, torch.empty(0)
+            self.dense_rows = NATIVE_INT4_DENSE_ROWS
+        else:
+            self.blocks = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops is None or (self.dense is not None and x.numel() > self.dense_rows * x.shape[-1]):
+            return super().__call__(x)
+        if x.dim() == 2 and x.stride(1) == 1:
+            y = self.kernel(x)
+        else:
+            y = self.kernel(x.reshape(-1, x.shape[-1]).contiguous())
+            y = y.reshape(*x.shape[:-1], y.shape[-1])
+        return y if self.bias is None else y + self.bias
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None:
+            return self.kernel(x)
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales_and_zeros)
-
 
 
 def auto_mode(weight_types: dict[str, int], device: str) -> str:

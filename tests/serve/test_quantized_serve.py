@@ -1,8 +1,9 @@
 """`kvserve serve` on the embedded default model (a Q4_1 GGUF) with its default
-`--quantization auto`: the runner serves it through torch's int4 CPU kernel (its info metric
-says so), a greedy chat over gRPC gives, token for token, what the same int4 model gives in
-this process through the same attention backend, and a prompt longer than one prefill chunk
-is served.
+`--quantization auto`: the runner serves it int4 (its info metric says so), a greedy chat
+over gRPC gives, token for token, what the same int4 model gives in this process through the
+same attention backend and the same native ops (the 4-bit kernel on 8-bit activations where
+the CPU has AVX-512 VNNI, torch's int4 kernel elsewhere), and a prompt longer than one
+prefill chunk is served.
 
 Whether int4's greedy answer equals the float model's depends on the CPU's rounding in places
 (bench/quant_fidelity.py measures the agreement; README.md has it): this test pins the
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvserve.kernels import get_backend
+from kvserve.kernels import get_backend, native
 from kvserve.model.tokenizer import load_model_tokenizer
 from kvserve.model.weights import load_model
 from kvserve.v1 import generator_pb2 as pb
@@ -51,6 +52,7 @@ def test_default_serve_runs_the_q4_1_file_int4_and_equals_the_int4_model(tmp_pat
 
     dtype = getattr(torch, label["dtype"])
     loaded = load_model(None, dtype=dtype, quantization="int4")
+    loaded.model.use_row_ops(native)  # as the runner's scheduler does
     tok = load_model_tokenizer(None)
     prompt = tok.render_chat([("user", QUESTION)], add_generation_prompt=True)
     [expected] = greedy_generate(loaded.model, get_backend(label["backend"]), [prompt], NEW, dtype=dtype)

@@ -1,0 +1,203 @@
+/* y = x @ W.T for a weight in 4-bit groups (GGUF Q4_1's shape), on 8-bit activations, for
+ * the small batches of decode (issue 18).
+ *
+ * The weight [N, K]: groups of 32 inputs per output row, w = d * q + m with q in 0..15 and
+ * the group's scale d and minimum m in float16 (Q4_1 keeps exactly these). Stored as
+ * `nib` [N, K / 2] bytes, 64 inputs per 32 bytes: byte j of a row's block b holds input
+ * 64b + j in its low nibble and 64b + 32 + j in its high one; `d` and `m` [N, K / 32].
+ * kvserve/model/quant.py packs it (`Int4Linear`).
+ *
+ * The activations are quantized per group of 32 to int8 with a float scale (dx, the group's
+ * largest magnitude / 127, rounded to nearest even), as llama.cpp does for its Q4_1 dots. A
+ * group's product is then integer: sum(w * x) = d * dx * sum(q * qx) + m * dx * sum(qx), and
+ * one AVX-512 VNNI instruction (vpdpbusd, unsigned 4-bit codes times signed 8-bit
+ * activations) multiplies 64 pairs. torch's int4 kernel (`_weight_int4pack_mm_for_cpu`)
+ * converts every weight to float instead, which bounds decode at one to eight rows.
+ *
+ * Rows of the output are split over the OpenMP threads (torch's runtime); each thread reads
+ * its rows' weights once for up to 8 activation rows. Built where the compiler targets
+ * AVX-512 BW/VL and VNNI; elsewhere `kvs_int4_available` is 0 and torch's kernel runs.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define KVS_INT4 1
+#else
+#define KVS_INT4 0
+#endif
+
+int kvs_int4_available(void) { return KVS_INT4; }
+
+#if KVS_INT4
+
+#define GROUP 32
+#define ROWS 8   /* activation rows per pass over the weights */
+#define BLOCK 16 /* groups per block: one per 32-bit lane of a 512-bit register */
+
+/* Sixteen consecutive inputs of an activation row as float32. */
+static inline __m512 load16(const void *x, int bf16, int64_t i) {
+    if (bf16) {
+        __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps((const float *)x + i);
+}
+
+/* Each group of 32 of row x [K] to int8, its scale `dx` and dx * sum(q) `sx`; `q` in the
+ * weight's order: within each block of 16 groups, slice u (0..7) holds inputs 4u..4u+3 of
+ * each group, group j at bytes 4j..4j+3; the groups after the last whole block in order. */
+static void quantize_row(const void *x, int bf16, int64_t k, int8_t *q, float *dx, float *sx) {
+    const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    const int64_t whole = k / (GROUP * BLOCK) * (GROUP * BLOCK);
+    for (int64_t g = 0; g < k / GROUP; g++) {
+        const __m512 a = load16(x, bf16, g * GROUP), b = load16(x, bf16, g * GROUP + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(a, sign), _mm512_and_ps(b, sign)));
+        const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
+        const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
+        int8_t grp[GROUP];
+        _mm_storeu_si128((__m128i *)grp, _mm512_cvtsepi32_epi8(qa));
+        _mm_storeu_si128((__m128i *)(grp + 16), _mm512_cvtsepi32_epi8(qb));
+        if (g * GROUP < whole) {
+            int8_t *blk = q + g / BLOCK * GROUP * BLOCK;
+            const int64_t j = g % BLOCK;
+            for (int u = 0; u < 8; u++) memcpy(blk + u * 64 + 4 * j, grp + 4 * u, 4);
+        } else {
+            memcpy(q + g * GROUP, grp, GROUP);
+        }
+        dx[g] = d;
+        sx[g] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    }
+}
+
+/* Output row n for activation rows [0, R) of `qx` (rows k apart): out[r] = sum over the
+ * groups. `wd`/`wm` the row's group scales and minima (float16), dx/sx the rows' (float32,
+ * `groups` apart). */
+static inline __attribute__((always_inline)) void dot_rows(
+    const int R, const uint8_t *nib, const uint16_t *wd, const uint16_t *wm, const int8_t *qx,
+    const float *dx, const float *sx, int64_t k, float *out) {
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    const int64_t groups = k / GROUP, blocks = groups / BLOCK;
+    __m512 acc[ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        __m512i dot[ROWS];
+        for (int r = 0; r < R; r++) dot[r] = _mm512_setzero_si512();
+        for (int i = 0; i < 4; i++) {
+            const __m512i v = _mm512_loadu_si512((const void *)(nib + b * 256 + i * 64));
+            const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            for (int r = 0; r < R; r++) {
+                const int8_t *xr = qx + r * k + b * 512 + i * 128;
+                dot[r] = _mm512_dpbusd_epi32(dot[r], lo, _mm512_loadu_si512((const void *)xr));
+                dot[r] = _mm512_dpbusd_epi32(dot[r], hi, _mm512_loadu_si512((const void *)(xr + 64)));
+            }
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wd + b * BLOCK)));
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wm + b * BLOCK)));
+        for (int r = 0; r < R; r++) {
+            const float *dxr = dx + r * groups + b * BLOCK, *sxr = sx + r * groups + b * BLOCK;
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(d, _mm512_loadu_ps(dxr)), acc[r]);
+            acc[r] = _mm512_fmadd_ps(m, _mm512_loadu_ps(sxr), acc[r]);
+        }
+    }
+    const int64_t tail = groups - blocks * BLOCK; /* even, < 16 */
+    if (tail) {
+        const __mmask16 mask = (__mmask16)((1u << tail) - 1);
+        const int64_t g0 = blocks * BLOCK;
+        const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, wd + g0));
+        const __m512 m = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, wm + g0));
+        const __m512i first = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+        __m512 scale[ROWS]; /* lane g: d * dx of tail group g */
+        for (int r = 0; r < R; r++) {
+            scale[r] = _mm512_mul_ps(d, _mm512_maskz_loadu_ps(mask, dx + r * groups + g0));
+            acc[r] = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(mask, sx + r * groups + g0), acc[r]);
+        }
+        for (int64_t p = 0; p < tail / 2; p++) {
+            const __m256i packed = _mm256_loadu_si256((const __m256i *)(nib + blocks * 256 + p * 32));
+            const __m512i w = _mm512_and_si512(
+                _mm512_inserti64x4(_mm512_castsi256_si512(packed), _mm256_srli_epi16(packed, 4), 1), low);
+            /* lanes 0-7 of a product sum group 2p of the tail, lanes 8-15 group 2p + 1 */
+            const __m512i pick = _mm512_add_epi32(first, _mm512_set1_epi32((int)(2 * p)));
+            for (int r = 0; r < R; r++) {
+                const __m512i xq = _mm512_loadu_si512((const void *)(qx + r * k + g0 * GROUP + p * 64));
+                const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xq);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(pick, scale[r]), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+static void *scratch(size_t bytes) {
+    static __thread void *buf;
+    static __thread size_t cap;
+    if (bytes > cap) {
+        free(buf);
+        buf = malloc(bytes);
+        cap = buf ? bytes : 0;
+    }
+    return buf;
+}
+
+/* y [M, N] (bf16 when y_bf16, else float32) = x [M, K] (bf16 when x_bf16; rows x_stride
+ * elements apart) @ W.T. 0 on success; -1 where K is not a positive multiple of 64, -2 where
+ * memory ran out. */
+int kvs_int4_mm(const void *x, int x_bf16, int64_t x_stride, int64_t m_rows, int64_t k,
+                const uint8_t *nib, const uint16_t *wd, const uint16_t *wm, int64_t n_out,
+                void *y, int y_bf16) {
+    if (k % 64 != 0 || k <= 0) return -1;
+    if (m_rows <= 0) return 0;
+    const int64_t groups = k / GROUP;
+    char *buf = scratch((size_t)(m_rows * k + 2 * m_rows * groups * (int64_t)sizeof(float)));
+    if (!buf) return -2;
+    float *dx = (float *)buf, *sx = dx + m_rows * groups;
+    int8_t *qx = (int8_t *)(sx + m_rows * groups);
+    for (int64_t r = 0; r < m_rows; r++)
+        quantize_row((const char *)x + r * x_stride * (x_bf16 ? 2 : 4), x_bf16, k, qx + r * k,
+                     dx + r * groups, sx + r * groups);
+
+    #pragma omp parallel for schedule(static) if (n_out * k >= 65536)
+    for (int64_t n = 0; n < n_out; n++) {
+        const uint8_t *wn = nib + n * (k / 2);
+        const uint16_t *dn = wd + n * groups, *mn = wm + n * groups;
+        for (int64_t r0 = 0; r0 < m_rows; r0 += ROWS) {
+            const int R = m_rows - r0 < ROWS ? (int)(m_rows - r0) : ROWS;
+            const int8_t *xq = qx + r0 * k;
+            const float *dxr = dx + r0 * groups, *sxr = sx + r0 * groups;
+            float out[ROWS];
+            switch (R) {
+                case 1: dot_rows(1, wn, dn, mn, xq, dxr, sxr, k, out); break;
+                case 2: dot_rows(2, wn, dn, mn, xq, dxr, sxr, k, out); break;
+                case 3: dot_rows(3, wn, dn, mn, xq, dxr, sxr, k, out); break;
+                case 4: dot_rows(4, wn, dn, mn, xq, dxr, sxr, k, out); break;
+                case 5: dot_rows(5, wn, dn, mn, xq, dxr, sxr, k, out); break;
+                case 6: dot_rows(6, wn, dn, mn, xq, dxr, sxr, k, out); break;
+                case 7: dot_rows(7, wn, dn, mn, xq, dxr, sxr, k, out); break;
+                default: dot_rows(8, wn, dn, mn, xq, dxr, sxr, k, out); break;
+            }
+            for (int r = 0; r < R; r++) {
+                if (y_bf16) ((uint16_t *)y)[(r0 + r) * n_out + n] = f32_to_bf16(out[r]);
+                else ((float *)y)[(r0 + r) * n_out + n] = out[r];
+            }
+        }
+    }
+    return 0;
+}
+
+#else
+
+int kvs_int4_mm(const void *x, int x_bf16, int64_t x_stride, int64_t m_rows, int64_t k,
+                const uint8_t *nib, const uint16_t *wd, const uint16_t *wm, int64_t n_out,
+                void *y, int y_bf16) {
+    (void)x; (void)x_bf16; (void)x_stride; (void)m_rows; (void)k; (void)nib; (void)wd; (void)wm;
+    (void)n_out; (void)y; (void)y_bf16;
+    return -3;
+}
+
+#endif

@@ -1,0 +1,188 @@
+"""The native 4-bit projection (csrc/int4_mm.c through native.Int4Weight): the layout of
+quant.int4_blocks holds each weight's code, the kernel computes exactly the sum its 8-bit
+activations and the weight's Q4_1 values stand for, each row on its own, stays within the
+activations' rounding of the float product, refuses what it cannot take, and a model whose
+projections go through it keeps its logits; the portable build has no 4-bit kernel and
+the model keeps torch's."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from kvserve.kernels import native
+from kvserve.model.quant import GROUP, Int4Linear, int4_blocks, int4_groups
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+
+
+@pytest.fixture(scope="module")
+def lib():
+    built = native.build()
+    assert built is not None, "the kernels did not build with the system compiler"
+    if not built.kvs_int4_available():
+        pytest.skip("this CPU has no AVX-512 VNNI: the model runs torch's int4 kernel")
+    return built
+
+
+def quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel quantizes it: per group of 32, q = x * (127 / amax) rounded to nearest
+    even (float32), times amax / 127."""
+    m, k = x.shape
+    g = x.float().reshape(m, k // GROUP, GROUP)
+    amax = g.abs().amax(-1, keepdim=True)
+    # an IEEE float32 division, as the kernel's (torch's scalar / tensor multiplies by a
+    # reciprocal: a last-place difference that moves a product off a tie)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    return (torch.round(g * inv) * (amax / 127.0)).reshape(m, k)
+
+
+def weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, tuple, torch.Tensor]:
+    """A random weight's blocks and the float values they stand for (float16 d and m)."""
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    q, scale, zero = int4_groups(w)
+    blocks = int4_blocks(q, scale, zero - 8.0 * scale)
+    _, d, m = blocks
+    grid = (q.double().reshape(n, k // GROUP, GROUP) * d.double()[..., None] + m.double()[..., None])
+    return q, blocks, grid.reshape(n, k)
+
+
+def unpack(nib: torch.Tensor, k: int) -> torch.Tensor:
+    """int4_blocks' bytes back to codes [N, K], by its docstring's rule, one value at a time."""
+    n = nib.shape[0]
+    q = torch.empty(n, k, dtype=torch.int64)
+    whole = k // 512 * 512
+    for col in range(k):
+        if col < whole:
+            b, within = divmod(col, 512)
+            j, rest = divmod(within, GROUP)  # group j of the block, input `rest` of it
+            i, r8 = divmod(rest, 8)
+            byte, shift = b * 256 + i * 64 + 4 * j + r8 % 4, 4 * (r8 // 4)
+        else:
+            p, within = divmod(col - whole, 64)
+            half, t = divmod(within, GROUP)
+            byte, shift = whole // 2 + p * 32 + t, 4 * half
+        q[:, col] = (nib[:, byte].long() >> shift) & 15
+    return q
+
+
+@pytest.mark.parametrize("k", [64, 512, 576, 1536])
+def test_blocks_hold_every_code(k: int) -> None:
+    q, (nib, d, m), _ = weight(5, k, k)
+    assert nib.dtype == torch.uint8 and nib.shape == (5, k // 2) and d.shape == m.shape == (5, k // 32)
+    assert torch.equal(unpack(nib, k), q.long())
+    with pytest.raises(ValueError, match="K must be a multiple of 64, got 96"):
+        int4_blocks(torch.zeros(2, 96, dtype=torch.int32), torch.ones(2, 3), torch.zeros(2, 3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "k"), [(40, 64), (33, 512), (96, 576), (17, 1536)])
+def test_computes_the_sum_of_its_quantized_operands(lib, dtype, n, k) -> None:
+    _, blocks, grid = weight(n, k, n + k)
+    x = (torch.randn(11, k, generator=torch.Generator().manual_seed(k)) * 3).to(dtype)
+    x[3] = 0  # a row of zeros: scale 0, no division by it
+    x[4, :GROUP] = 0  # and a group of zeros
+    y = native.int4_mm(x, *blocks, lib=lib)
+    assert y.dtype == dtype and y.shape == (11, n)
+    want = quantized_activations(x).double() @ grid.t()
+    assert torch.equal(y[3], torch.zeros(n, dtype=dtype))
+    if dtype == torch.float32:  # float32 sums of exact integer dots
+        assert (y.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    else:  # the float32 result rounded to bf16 once
+        assert torch.allclose(y.double(), want, rtol=2**-8, atol=1e-6 * want.abs().max().item())
+    # each row's result is the same alone as in any batch (the 8-row passes included)
+    for r in (0, 7, 8, 10):
+        assert torch.equal(native.int4_mm(x[r : r + 1], *blocks, lib=lib)[0], y[r])
+    assert torch.equal(native.int4_mm(x[5:9], *blocks, lib=lib), y[5:9])
+    # strided rows (a view of wider rows) read the same values
+    wide = torch.cat([x, torch.ones(11, 64, dtype=dtype)], 1)[:, :k]
+    assert torch.equal(native.int4_mm(wide, *blocks, lib=lib), y)
+
+
+def test_stays_within_the_activations_rounding_of_the_float_product(lib) -> None:
+    n, k = 64, 1536
+    _, blocks, grid = weight(n, k, 7)
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(8))
+    y = native.int4_mm(x, *blocks, lib=lib).double()
+    exact = x.double() @ grid.t()
+    # each activation moves by at most half a step of its group (amax / 254)
+    amax = x.double().reshape(6, k // GROUP, GROUP).abs().amax(-1)
+    bound = (amax[:, :, None] / 254 * grid.abs().reshape(n, k // GROUP, GROUP).permute(1, 2, 0)
+             .sum(1)[None]).sum(1)  # [rows, N]
+    err = (y - exact).abs()
+    assert (err <= bound * 1.001 + 1e-6).all(), (err / bound).max()
+    assert err.max() > 0  # the activations are quantized
+
+
+def test_refuses_what_it_cannot_take(lib) -> None:
+    _, (nib, d, m), _ = weight(8, 128, 1)
+    x = torch.randn(2, 128)
+    with pytest.raises(ValueError, match=r"K a multiple of 64.*got nib \(8, 48\)"):
+        native.int4_mm(torch.randn(2, 96), nib[:, :48].contiguous(), d[:, :3].contiguous(),
+                       m[:, :3].contiguous(), lib=lib)
+    with pytest.raises(ValueError, match=r"x \[M, 128\] bf16 or fp32 with contiguous rows, got x \(2, 64\)"):
+        native.int4_mm(torch.randn(2, 64), nib, d, m, lib=lib)
+    with pytest.raises(ValueError, match=r"nib \(8, 32\) torch.uint8"):
+        native.int4_mm(x, nib[:, :32].contiguous(), d, m, lib=lib)
+    with pytest.raises(ValueError, match=r"d \(8, 4\) torch.float32"):
+        native.int4_mm(x, nib, d.float(), m, lib=lib)
+    with pytest.raises(ValueError, match=r"got x \(2, 128\) torch.float64"):
+        native.int4_mm(x.double(), nib, d, m, lib=lib)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        native.int4_mm(x.t().contiguous().t(), nib, d, m, lib=lib)
+    assert native.int4_mm(x[:0], nib, d, m, lib=lib).shape == (0, 8)
+
+
+def test_the_portable_build_has_no_4bit_kernel_and_the_projection_keeps_torchs() -> None:
+    portable = native.build(("-mno-avx512f",))
+    assert portable is not None and portable.kvs_int4_available() == 0
+    _, blocks, _ = weight(8, 128, 2)
+    with pytest.raises(ValueError, match="this build has no 4-bit kernel"):
+        native.int4_mm(torch.randn(1, 128), *blocks, lib=portable)
+
+    class NoInt4:
+        Int4Weight = native.Int4Weight
+
+        @staticmethod
+        def int4_available() -> bool:
+            return False
+
+    w = torch.randn(32, 128)
+    lin = Int4Linear(w, None)
+    x = torch.randn(3, 128)
+    before = lin(x)
+    lin.use_ops(NoInt4())
+    assert lin.ops is None and lin.blocks is None and lin.packed is not None  # torch's kernel, blocks freed
+    assert torch.equal(lin(x), before)
+
+
+def test_a_model_through_the_native_int4_keeps_its_logits(lib, tmp_path) -> None:
+    """use_row_ops(native) on an int4 model: every projection takes the native kernel (torch's
+    packed copies freed), and its logits stay those of torch's int4 kernel up to the 8-bit
+    activations."""
+    from kvserve.model.weights import load_model
+    from tests.model.tinymodel import write_tiny_model
+
+    path = write_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128)
+    model = load_model(str(path), dtype=torch.bfloat16, quantization="int4").model
+    ids = torch.arange(3, 9)  # 6 tokens: under the dense copy's rows, so the kernels run
+
+    def attend(_, q, k, v):
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return o.transpose(0, 1)
+
+    run = lambda: model.forward_tokens(ids, torch.arange(len(ids)), attend, torch.arange(len(ids)))  # noqa: E731
+    plain = run()
+    model.use_row_ops(native)
+    lins = [getattr(layer, name) for layer in model.layers for name in ("qkv", "o", "gate_up", "down")]
+    assert all(isinstance(lin, Int4Linear) and lin.ops is native and lin.packed is None for lin in lins)
+    fast = run()
+    assert not torch.equal(fast, plain)  # another kernel: 8-bit activations
+    assert ((fast - plain).norm() / plain.norm()).item() < 0.05
+    # where torch's top logit leads by more than twice the largest change, the top token stays
+    top2 = plain.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * (fast - plain).abs().max()
+    assert clear.any() and torch.equal(fast.argmax(-1)[clear], plain.argmax(-1)[clear])
