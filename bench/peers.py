@@ -262,7 +262,8 @@ def kvserve_server(args: argparse.Namespace, tmp: Path):
 
     (LOGS / "kvserve.log").unlink(missing_ok=True)
     try:
-        svc = start_serve(tmp / "kvserve-rt", None, "--quantization", args.quantization,
+        extra = ("--config", str(Path(args.kvserve_config).resolve())) if args.kvserve_config else ()
+        svc = start_serve(tmp / "kvserve-rt", None, *extra, "--quantization", args.quantization,
                           "--kv-tokens", str(KV_CACHE_BYTES // kv_bytes_per_token(args.dtype)), http=True,
                           dtype=args.dtype, device="cpu", log=LOGS / "kvserve.log", ready_s=600)
     except BaseException:  # interrupted while it started: stop the serve it left running
@@ -349,7 +350,7 @@ def levels_of(name: str, args: argparse.Namespace) -> list[int]:
     return args.llamacpp_levels if name == "llamacpp" else args.levels
 
 
-def measure(systems: list[str], args: argparse.Namespace, prompts: dict[int, Path],
+def measure(systems: list[str], args: argparse.Namespace, prompts: dict,
             tmp: Path) -> dict[str, dict]:
     """Start every system, warm each up, then drive the levels round by round, system after
     system; {system: {level: the median round's summary + "rounds_tok_s"}} or
@@ -375,7 +376,7 @@ def measure(systems: list[str], args: argparse.Namespace, prompts: dict[int, Pat
                         continue
                     log(f"round {r + 1}/{args.rounds}: {name}, {level} streams")
                     try:
-                        runs[name][level].append(drive(urls[name], level, prompts[level], tmp))
+                        runs[name][level].append(drive(urls[name], level, prompts[(r, level)], tmp))
                     except Exception as exc:
                         log(f"{name} failed: {exc}")
                         results[name] = {"failed": str(exc)[:300]}
@@ -456,6 +457,8 @@ def main() -> int:
     p.add_argument("--llamacpp-levels", default="1",
                    help="the levels llama.cpp runs at (default: %(default)s)")
     p.add_argument("--json", help="write the raw summaries here")
+    p.add_argument("--kvserve-config", default="",
+                   help="a kvserve TOML config file for `kvserve serve --config` (e.g. a [runner] table)")
     p.add_argument("--markdown", action="store_true", help="print the table as markdown")
     args = p.parse_args()
     args.levels = [int(x) for x in args.levels.split(",") if x]
@@ -476,12 +479,15 @@ def main() -> int:
         prompts = {0: write_prompts(tmp / "warmup.jsonl", words, f"{args.seed}/warm-up", 2, 16)}
         for level in sorted(set(args.levels) | set(args.llamacpp_levels)):
             n = args.num_requests or min(max(8, 2 * level), 128)
-            prompts[level] = write_prompts(tmp / f"level-{level}.jsonl", words,
-                                           f"{args.seed}/{level}", n, 64 if level >= 128 else 128)
+            for r in range(args.rounds):  # each round its own prompts: no round hits a cache of the last
+                prompts[(r, level)] = write_prompts(tmp / f"round-{r}-level-{level}.jsonl", words,
+                                                    f"{args.seed}/{level}" + (f"/{r}" if r else ""), n,
+                                                    64 if level >= 128 else 128)
         args.tmp = tmp_name
         results = measure(systems, args, prompts, tmp)
     header = [f"CPU: {model}, {os.cpu_count()} cores; flags: {' '.join(flags) or 'none'}",
-              f"workload: the same 128-token random-word prompts for all (--seed {args.seed}), "
+              f"workload: the same 128-token random-word prompts for all (--seed {args.seed}; new ones "
+              "each round, so that no round reads a prefix cache the last one filled), "
               "128 new tokens forced (64 at 128 streams), greedy, closed loop; "
               f"{args.rounds} round(s), every system up at once, levels interleaved"
               + ("; rows are the median round, the range of all beside it" if args.rounds > 1 else ""),

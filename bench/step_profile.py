@@ -12,6 +12,7 @@ operators over a few decode steps (self CPU time).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import tempfile
 import time
@@ -97,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=18)
     ap.add_argument("--no-pack", action="store_true", help="plain F.linear GEMMs (kvserve.model.quant.pack off)")
     ap.add_argument("--no-profile", action="store_true", help="timings only")
+    ap.add_argument("--profile-prefill", action="store_true",
+                    help="also profile the steps that prefill the batch's prompts")
     ap.add_argument("--compare-native", type=int, default=0, metavar="ROUNDS",
                     help="A/B the native kernels (kvserve.kernels.native: decode attention, RMS "
                          "norm, rotary, KV store, 4-bit projections) against the torch ops in the same process: "
@@ -137,8 +140,26 @@ def main(argv: list[str] | None = None) -> int:
                 for i, row in enumerate(prompts):
                     sched.add(GenerateReq(f"p{b}-{i}", row.tolist(),
                                           SamplingParams(max_new_tokens=8 + 2 * args.steps * (1 + args.compare_native), ignore_eos=True)))
-                while any(r.computed < r.prompt_len for r in sched.table) or len(sched.table.running) < b:
-                    sched.step()  # prefill, then a few decode steps as warm-up
+                prof_ctx = (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+                            if args.profile_prefill else contextlib.nullcontext())
+                t0, steps, before = time.perf_counter(), 0, phase_sums(metrics)
+                with prof_ctx as prof:
+                    while any(r.computed < r.prompt_len for r in sched.table) or len(sched.table.running) < b:
+                        t1 = time.perf_counter()
+                        sched.step()  # prefill, then a few decode steps as warm-up
+                        steps += 1
+                        if args.profile_prefill:
+                            print(f"   step {steps}: {(time.perf_counter() - t1) * 1000:.0f} ms, "
+                                  f"{sum(r.computed < r.prompt_len for r in sched.table)} prompts still to compute",
+                                  flush=True)
+                took = time.perf_counter() - t0
+                parts = {p: v - before[p] for p, v in phase_sums(metrics).items()}
+                print(f"\n== batch {b}: prefill of {b} x 128 tokens in {steps} steps, {took * 1000:.0f} ms = "
+                      f"{b * 128 / took:.0f} prompt tok/s: " + ", ".join(f"{p} {v * 1000:.0f}" for p, v in parts.items())
+                      + " ms", flush=True)
+                if args.profile_prefill:
+                    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top,
+                                                    max_name_column_width=48))
                 for _ in range(4):
                     sched.step()
                 before = phase_sums(metrics)

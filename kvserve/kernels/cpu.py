@@ -66,7 +66,7 @@ class _Plan:
     prefills: list[_Prefill]
     req_to_token: torch.Tensor
     gather: _Gather | None = None  # built on first use by the torch path
-    native_lens: torch.Tensor | None = None  # int64 [Bd], built on first use by the native path
+    native: native.DecodeAttention | None = None  # built on first use by the native path
     buffers: dict[tuple[torch.dtype, int], tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict
     )
@@ -159,11 +159,11 @@ def _decode(
     """q [Bd, Hq, D] -> [Bd, Hq, D]: in place through the native kernel where it runs, else
     one batched SDPA over the gathered sequences."""
     if native.supports(q, k_cache) and plan.req_to_token.dtype == torch.int32:
-        if plan.native_lens is None:
-            plan.native_lens = torch.tensor(plan.decode_lens, dtype=torch.int64)
-        assert plan.decode_rows is not None
-        return native.decode_attention(q, k_cache, v_cache, plan.req_to_token, plan.decode_rows,
-                                       plan.native_lens, sm_scale)
+        if plan.native is None:  # the step's rows and lengths, checked once for every layer
+            assert plan.decode_rows is not None
+            plan.native = native.DecodeAttention(plan.req_to_token, plan.decode_rows,
+                                                 torch.tensor(plan.decode_lens, dtype=torch.int64))
+        return plan.native(q, k_cache, v_cache, sm_scale)
     n, hq, d = q.shape
     hkv = k_cache.shape[1]
     qg = q.to(k_cache.dtype).reshape(n, hkv, hq // hkv, d)

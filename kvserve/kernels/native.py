@@ -162,30 +162,54 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      sm_scale: float, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """q [B, Hq, D] -> [B, Hq, D] (cache dtype): row b attends to the K/V at slots
     req_to_token[rows[b], :lens[b]] of k_cache/v_cache [size, Hkv, D]. `rows` and `lens` are
-    int64 [B]; ValueError names a slot outside the pool. `lib`: another build (tests)."""
-    lib = lib or _load()
-    assert lib is not None, "decode_attention called where available() is False"
-    dtype = k_cache.dtype
-    q = q.to(dtype).contiguous()
-    out = torch.empty_like(q)
-    b, hq, d = q.shape
-    size, hkv, _ = k_cache.shape
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and req_to_token.is_contiguous()
-            and req_to_token.dtype == torch.int32 and rows.dtype == torch.int64
-            and lens.dtype == torch.int64 and rows.shape == lens.shape == (b,)
-            and v_cache.shape == k_cache.shape and v_cache.dtype == dtype):
-        raise ValueError("decode_attention: contiguous caches, int32 req_to_token, int64 rows/lens")
-    with _traced("kvserve::decode_attention"):
-        bad = getattr(lib, _KERNELS[dtype])(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-            req_to_token.data_ptr(), req_to_token.shape[0], req_to_token.shape[1], rows.data_ptr(), lens.data_ptr(), b,
-            hq, hkv, d, size, sm_scale)
-    if bad < 0:
-        raise ValueError(f"decode_attention: batch row {-bad - 1} names row {int(rows[-bad - 1])} or "
-                         f"length {int(lens[-bad - 1])} outside req_to_token {tuple(req_to_token.shape)}")
-    if bad:
-        raise ValueError(f"decode_attention: batch row {bad - 1} has a slot outside the pool of {size}")
-    return out
+    int64 [B]; ValueError names a slot outside the pool. `lib`: another build (tests). A
+    step's layers share `rows` and `lens`: `DecodeAttention` checks those once."""
+    return DecodeAttention(req_to_token, rows, lens, lib)(q, k_cache, v_cache, sm_scale)
+
+
+_LAYOUT = "decode_attention: contiguous caches, int32 req_to_token, int64 rows/lens"
+
+
+class DecodeAttention:
+    """`decode_attention` bound to one step's requests (req_to_token, rows, lens: checked
+    here once), called per layer with (q, k_cache, v_cache, sm_scale)."""
+
+    __slots__ = ("_lib", "_r2t", "_rows", "_lens", "_args")
+
+    def __init__(self, req_to_token: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor,
+                 lib: ctypes.CDLL | None = None) -> None:
+        self._lib = lib or _load()
+        assert self._lib is not None, "decode_attention called where available() is False"
+        if not (req_to_token.is_contiguous() and req_to_token.dtype == torch.int32 and req_to_token.dim() == 2
+                and rows.dtype == torch.int64 and lens.dtype == torch.int64 and rows.dim() == 1
+                and rows.shape == lens.shape and rows.is_contiguous() and lens.is_contiguous()):
+            raise ValueError(_LAYOUT)
+        self._r2t, self._rows, self._lens = req_to_token, rows, lens
+        self._args = (req_to_token.data_ptr(), req_to_token.shape[0], req_to_token.shape[1],
+                      rows.data_ptr(), lens.data_ptr(), rows.shape[0])
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 sm_scale: float) -> torch.Tensor:
+        dtype = k_cache.dtype
+        if q.dtype != dtype or not q.is_contiguous():
+            q = q.to(dtype).contiguous()
+        b, hq, d = q.shape
+        size, hkv, _ = k_cache.shape
+        if not (b == self._args[-1] and dtype in _KERNELS and k_cache.is_contiguous() and v_cache.is_contiguous()
+                and v_cache.shape == k_cache.shape and v_cache.dtype == dtype):
+            raise ValueError(f"{_LAYOUT}, q [{self._args[-1]}, Hq, D]")
+        out = torch.empty_like(q)
+        with _traced("kvserve::decode_attention"):
+            bad = getattr(self._lib, _KERNELS[dtype])(
+                q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), *self._args,
+                hq, hkv, d, size, sm_scale)
+        if bad < 0:
+            row = -bad - 1
+            raise ValueError(f"decode_attention: batch row {row} names row {int(self._rows[row])} or length "
+                             f"{int(self._lens[row])} outside req_to_token {tuple(self._r2t.shape)}")
+        if bad:
+            raise ValueError(f"decode_attention: batch row {bad - 1} has a slot outside the pool of {size}")
+        return out
 
 
 def rowwise(x: torch.Tensor) -> bool:
@@ -196,17 +220,21 @@ def rowwise(x: torch.Tensor) -> bool:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * (x / rms(x)) over the last dim, normalised in float32 and rounded to x's
     dtype before the weight, as transformers' LlamaRMSNorm (`rowwise(x)` must hold)."""
-    lib = _load()
-    assert lib is not None
     dim = x.shape[-1]
     if weight.dtype != x.dtype or weight.shape != (dim,) or not weight.is_contiguous():
         raise ValueError(f"rms_norm: weight must be contiguous [{dim}] {x.dtype}")
     out = torch.empty_like(x)
     rows = x.numel() // dim if dim else 0
-    getattr(lib, "kvs_rms_norm_" + _SUFFIX[x.dtype])(x.data_ptr(), weight.data_ptr(), out.data_ptr(),
-                                                     rows, dim, dim, eps)
+    _row_fns(_load())[x.dtype][0](x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, dim, dim, eps)
     return out
 
+
+@functools.cache
+def _row_fns(lib: ctypes.CDLL | None) -> dict[torch.dtype, tuple]:
+    """{dtype: (rms_norm, rotary)} of a build."""
+    assert lib is not None
+    return {dtype: (getattr(lib, "kvs_rms_norm_" + sfx), getattr(lib, "kvs_rotary_" + sfx))
+            for dtype, sfx in _SUFFIX.items()}
 
 
 def rotary(x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor,
@@ -228,7 +256,7 @@ def rotary(x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor,
         raise ValueError("rotary: x [T, >= heads*D] with contiguous rows, float32 tables [P, D/2], "
                          "int64 positions [T]")
     out = x.new_empty(tokens, heads, d)
-    bad = getattr(lib, "kvs_rotary_" + _SUFFIX[x.dtype])(
+    bad = _row_fns(lib)[x.dtype][1](
         x.data_ptr(), x.stride(0), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0],
         positions.data_ptr(), tokens, heads, d)
     if bad:
@@ -247,7 +275,8 @@ def store_rows(src: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor) -> Non
     tokens = src.shape[0]
     row = cache[0].numel() if cache.shape[0] else 0
     if not (src.dim() >= 2 and src.dtype == cache.dtype and cache.is_contiguous()
-            and src.shape[1:] == cache.shape[1:] and (tokens == 0 or src[0].is_contiguous())
+            and src.shape[1:] == cache.shape[1:]
+            and (tokens == 0 or src.stride()[1:] == cache.stride()[1:] or src[0].is_contiguous())
             and loc.dtype == torch.int64 and loc.is_contiguous() and loc.shape == (tokens,)
             and src.device == cache.device):
         raise ValueError("store_rows: src [T, *row] with contiguous rows, cache [size, *row] "

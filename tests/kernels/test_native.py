@@ -59,6 +59,25 @@ def test_matches_attention_on_gathered_kv(lib, dtype, hq, hkv, d, lens):
     assert err <= tol, f"max abs error {err:.3g} > {tol}"
 
 
+def test_a_step_binding_serves_every_layer_as_the_plain_call(lib):
+    """DecodeAttention checks a step's rows and lengths once; each layer's call equals
+    decode_attention on that layer's caches, and a q of another batch is refused."""
+    g = torch.Generator().manual_seed(11)
+    layers = [(torch.randn(256, 3, 64, generator=g).bfloat16(), torch.randn(256, 3, 64, generator=g).bfloat16())
+              for _ in range(2)]
+    r2t = torch.randperm(256, generator=g)[:240].int().reshape(3, 80)
+    rows, lens = torch.tensor([2, 0]), torch.tensor([80, 17])
+    bound = native.DecodeAttention(r2t, rows, lens, lib)
+    for k_cache, v_cache in layers:
+        q = torch.randn(2, 9, 64, generator=g).bfloat16()
+        assert torch.equal(bound(q, k_cache, v_cache, 0.125),
+                           native.decode_attention(q, k_cache, v_cache, r2t, rows, lens, 0.125, lib=lib))
+    with pytest.raises(ValueError, match=r"contiguous caches, int32 req_to_token, int64 rows/lens, q \[2, Hq, D\]"):
+        bound(torch.zeros(3, 9, 64, dtype=torch.bfloat16), *layers[0], 0.125)
+    with pytest.raises(ValueError, match="int32 req_to_token"):
+        native.DecodeAttention(r2t.long(), rows, lens, lib)
+
+
 def test_slot_outside_the_pool_is_refused(lib):
     k_cache = torch.zeros(64, 3, 64, dtype=torch.bfloat16)
     r2t = torch.zeros(4, 128, dtype=torch.int32)
