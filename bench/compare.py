@@ -269,8 +269,9 @@ def main() -> int:
                 if line.startswith("model name")), platform.processor())
     cmd = "python bench/compare.py " + " ".join(sys.argv[1:])
     text = (f"Measured {datetime.date.today().isoformat()} on {cpu}, {os.cpu_count()} cores, "
-            f"{args.dtype}, model SmolLM2-135M-Instruct (Q4_1 GGUF; kvserve and HF dequantize it, "
-            f"llama.cpp runs it quantized). Command: `{cmd}`. Peak RSS of kvserve sums memsvc, "
+            f"{args.dtype}, model SmolLM2-135M-Instruct (Q4_1 GGUF; kvserve serves it with `--quantization "
+            f"auto` unless --serve-args say otherwise (int4 projections from the file's codes), HF "
+            f"dequantizes it, llama.cpp runs it quantized). Command: `{cmd}`. Peak RSS of kvserve sums memsvc, "
             f"runner and frontend (the shared KV pool counts in memsvc and the runner).\n\n{table(rows)}")
     print(text)
     if args.json:

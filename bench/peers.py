@@ -375,6 +375,7 @@ def measure(systems: list[str], args: argparse.Namespace, prompts: dict,
                     if level not in runs.get(name, {}):
                         continue
                     log(f"round {r + 1}/{args.rounds}: {name}, {level} streams")
+                    time.sleep(args.settle_s)  # the last run's spinning threads stop first
                     try:
                         runs[name][level].append(drive(urls[name], level, prompts[(r, level)], tmp))
                     except Exception as exc:
@@ -457,6 +458,10 @@ def main() -> int:
     p.add_argument("--llamacpp-levels", default="1",
                    help="the levels llama.cpp runs at (default: %(default)s)")
     p.add_argument("--json", help="write the raw summaries here")
+    p.add_argument("--settle-s", type=float, default=3.0,
+                   help="pause before each run: vLLM's worker spins a core for about 1.5 s after its "
+                        "last request, which slowed whichever system ran next (kvserve's TTFT p50 at 8 "
+                        "streams 550 ms right after a vLLM run, 300 ms otherwise)")
     p.add_argument("--kvserve-config", default="",
                    help="a kvserve TOML config file for `kvserve serve --config` (e.g. a [runner] table)")
     p.add_argument("--markdown", action="store_true", help="print the table as markdown")
@@ -489,7 +494,8 @@ def main() -> int:
               f"workload: the same 128-token random-word prompts for all (--seed {args.seed}; new ones "
               "each round, so that no round reads a prefix cache the last one filled), "
               "128 new tokens forced (64 at 128 streams), greedy, closed loop; "
-              f"{args.rounds} round(s), every system up at once, levels interleaved"
+              f"{args.rounds} round(s), every system up at once, levels interleaved, "
+              f"{args.settle_s:g} s of rest before each run"
               + ("; rows are the median round, the range of all beside it" if args.rounds > 1 else ""),
               *(describe(name, args) for name in systems if "failed" not in results[name])]
     print(render(header, rows(results), args.markdown))

@@ -5,7 +5,7 @@ K/V in place in the pool, reading each slot once, where the torch path gathers K
 for `F.scaled_dot_product_attention` (issue 18); `store_rows` writes a step's K/V at its
 slots; `rms_norm` and `rotary` (csrc/elementwise.c) are the model's row ops, one pass each
 with torch's numbers, and `int4_mm` (csrc/int4_mm.c) its 4-bit projections on 8-bit
-activations where the CPU has AVX-512 VNNI (the runner hands them to the model:
+activations where the CPU has AVX-512 VNNI or AVX2 (the runner hands them to the model:
 `LlamaForCausalLM.use_row_ops`).
 The sources are built with the system C compiler (``cc -O3 -march=native -fopenmp``) into a
 per-user cache keyed by the sources, the compiler, the flags and the CPU's flags, and loaded
@@ -14,8 +14,9 @@ runtime torch has already loaded, so the kernels run on torch's threads
 (`torch.set_num_threads`).
 
 `available()` is False, and the backend keeps its torch path, where no compiler is found,
-the build fails (logged once), or KVSERVE_NATIVE=0 is set (for A/B measurements). Imports
-only torch.
+the build fails (logged once), or KVSERVE_NATIVE=0 is set (for A/B measurements).
+KVSERVE_NATIVE_FLAGS adds compiler flags (``-mno-avx512f`` builds the portable paths, as on
+an AVX2-only CPU). Imports only torch.
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def _load() -> ctypes.CDLL | None:
         if not _tried:
             if os.environ.get("KVSERVE_NATIVE", "1") != "0":
                 try:
-                    _lib = build()
+                    _lib = build(tuple(os.environ.get("KVSERVE_NATIVE_FLAGS", "").split()))
                 except OSError as e:
                     log.warning("loading the native CPU kernels failed (the torch path runs): %s", e)
             _tried = True
@@ -290,7 +291,7 @@ def store_rows(src: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor) -> Non
 
 
 def int4_available() -> bool:
-    """Whether `int4_mm` runs here (the build targets AVX-512 BW, VL and VNNI)."""
+    """Whether `int4_mm` runs here (the build targets AVX-512 BW, VL and VNNI, or AVX2)."""
     lib = _load()
     return lib is not None and bool(lib.kvs_int4_available())
 

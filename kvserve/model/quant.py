@@ -13,7 +13,7 @@ Both kernels take their activations in bfloat16 (whatever the model dtype; the o
 cast back): with float32 activations torch 2.13 takes a fallback 7-50× slower than a float32
 matmul on an AVX-512 CPU, with bfloat16 ones it beats it (bench/quant_fidelity.py).
 
-Where the runner's native kernels have a 4-bit one (AVX-512 VNNI: `LlamaForCausalLM.use_row_ops`
+Where the runner's native kernels have a 4-bit one (AVX-512 VNNI or AVX2: `LlamaForCausalLM.use_row_ops`
 hands it to `Int4Linear.use_ops`), int4 projections multiply through it instead: the same
 codes with the file's float16 scale and minimum (`int4_blocks` lays them out), on
 activations quantized to int8 per group of 32 as llama.cpp's Q4_1 dots do, integer dot
@@ -174,6 +174,7 @@ def int4_dequantized(weight: torch.Tensor, group: int = GROUP,
     return ((q.float().reshape(n, k // group, group) - 8.0) * s + z).reshape(n, k)
 
 
+_NATIVE_ACTS = (torch.bfloat16, torch.float32)  # what the native kernel takes as is
 BLOCK = 16
 """Groups per block of `int4_blocks`' layout (one per 32-bit lane of a 512-bit register)."""
 
@@ -233,16 +234,16 @@ class Int4Linear(_WeightOnly):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.ops is None or (self.dense is not None and x.numel() > self.dense_rows * x.shape[-1]):
             return super().__call__(x)
-        if x.dim() == 2 and x.stride(1) == 1:
+        if x.dim() == 2 and x.stride(1) == 1 and x.dtype in _NATIVE_ACTS:
             y = self.kernel(x)
         else:
-            y = self.kernel(x.reshape(-1, x.shape[-1]).contiguous())
+            y = self._mm(x.reshape(-1, x.shape[-1]).contiguous()).to(x.dtype)
             y = y.reshape(*x.shape[:-1], y.shape[-1])
         return y if self.bias is None else y + self.bias
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.ops is not None:
-            return self.kernel(x)
+            return self.kernel(x if x.dtype in _NATIVE_ACTS else x.to(ACT))
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales_and_zeros)
 
 

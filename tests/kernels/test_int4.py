@@ -2,8 +2,8 @@
 quant.int4_blocks holds each weight's code, the kernel computes exactly the sum its 8-bit
 activations and the weight's Q4_1 values stand for, each row on its own, stays within the
 activations' rounding of the float product, refuses what it cannot take, and a model whose
-projections go through it keeps its logits; the portable build has no 4-bit kernel and
-the model keeps torch's."""
+projections go through it keeps its logits; in both its builds (AVX-512 VNNI and AVX2). A
+build with neither has no 4-bit kernel and the model keeps torch's."""
 
 from __future__ import annotations
 
@@ -18,12 +18,16 @@ from kvserve.model.quant import GROUP, Int4Linear, int4_blocks, int4_groups
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 
 
-@pytest.fixture(scope="module")
-def lib():
-    built = native.build()
+@pytest.fixture(scope="module", params=["native", "avx2"])
+def lib(request):
+    """This CPU's build (AVX-512 VNNI where it has it) and the AVX2 one (as on a CPU without
+    AVX-512), each skipped where the CPU lacks what it needs."""
+    built = native.build() if request.param == "native" else native.build(("-mno-avx512f",))
     assert built is not None, "the kernels did not build with the system compiler"
     if not built.kvs_int4_available():
-        pytest.skip("this CPU has no AVX-512 VNNI: the model runs torch's int4 kernel")
+        pytest.skip(f"no 4-bit kernel in the {request.param} build on this CPU: torch's int4 kernel runs")
+    if request.param == "avx2":
+        assert built.kvs_int4_available() == 2
     return built
 
 
@@ -116,6 +120,20 @@ def test_stays_within_the_activations_rounding_of_the_float_product(lib) -> None
     assert err.max() > 0  # the activations are quantized
 
 
+def test_the_projection_takes_any_float_dtype_and_batch_shape() -> None:
+    w = torch.randn(48, 128, generator=torch.Generator().manual_seed(5))
+    lin = Int4Linear(w, None)
+    lin.use_ops(native)
+    if lin.ops is None:
+        pytest.skip("this CPU's build has no 4-bit kernel")
+    x = torch.randn(2, 3, 128, generator=torch.Generator().manual_seed(6))
+    want = lin(x.reshape(6, 128)).reshape(2, 3, 48)
+    assert torch.equal(lin(x), want)  # 3-D: the same rows
+    half = lin(x.half())  # float16 goes through bfloat16, and comes back float16
+    assert half.dtype == torch.float16 and half.shape == (2, 3, 48)
+    assert torch.allclose(half.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
 def test_refuses_what_it_cannot_take(lib) -> None:
     _, (nib, d, m), _ = weight(8, 128, 1)
     x = torch.randn(2, 128)
@@ -135,8 +153,8 @@ def test_refuses_what_it_cannot_take(lib) -> None:
     assert native.int4_mm(x[:0], nib, d, m, lib=lib).shape == (0, 8)
 
 
-def test_the_portable_build_has_no_4bit_kernel_and_the_projection_keeps_torchs() -> None:
-    portable = native.build(("-mno-avx512f",))
+def test_a_build_without_avx2_has_no_4bit_kernel_and_the_projection_keeps_torchs() -> None:
+    portable = native.build(("-mno-avx512f", "-mno-avx2"))
     assert portable is not None and portable.kvs_int4_available() == 0
     _, blocks, _ = weight(8, 128, 2)
     with pytest.raises(ValueError, match="this build has no 4-bit kernel"):
@@ -158,7 +176,7 @@ def test_the_portable_build_has_no_4bit_kernel_and_the_projection_keeps_torchs()
     assert torch.equal(lin(x), before)
 
 
-def test_a_model_through_the_native_int4_keeps_its_logits(lib, tmp_path) -> None:
+def test_a_model_through_the_native_int4_keeps_its_logits(tmp_path) -> None:
     """use_row_ops(native) on an int4 model: every projection takes the native kernel (torch's
     packed copies freed), and its logits stay those of torch's int4 kernel up to the 8-bit
     activations."""
@@ -176,6 +194,8 @@ def test_a_model_through_the_native_int4_keeps_its_logits(lib, tmp_path) -> None
 
     run = lambda: model.forward_tokens(ids, torch.arange(len(ids)), attend, torch.arange(len(ids)))  # noqa: E731
     plain = run()
+    if not native.int4_available():
+        pytest.skip("this CPU's build has no 4-bit kernel")
     model.use_row_ops(native)
     lins = [getattr(layer, name) for layer in model.layers for name in ("qkv", "o", "gate_up", "down")]
     assert all(isinstance(lin, Int4Linear) and lin.ops is native and lin.packed is None for lin in lins)

@@ -16,7 +16,9 @@
  *
  * Rows of the output are split over the OpenMP threads (torch's runtime); each thread reads
  * its rows' weights once for up to 8 activation rows. Built where the compiler targets
- * AVX-512 BW/VL and VNNI; elsewhere `kvs_int4_available` is 0 and torch's kernel runs.
+ * AVX-512 BW/VL and VNNI, or else AVX2 (two instructions, vpmaddubsw and vpmaddwd, for each
+ * vpdpbusd, on the same layout read as 256-bit halves); elsewhere `kvs_int4_available` is 0
+ * and torch's kernel runs.
  */
 #include <math.h>
 #include <stdint.h>
@@ -27,11 +29,15 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
-#define KVS_INT4 1
+#define KVS_INT4 1 /* AVX-512 VNNI */
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#include <immintrin.h>
+#define KVS_INT4 2 /* AVX2: vpmaddubsw + vpmaddwd where VNNI has one vpdpbusd */
 #else
 #define KVS_INT4 0
 #endif
 
+/* 1 where this build has the AVX-512 VNNI kernel, 2 the AVX2 one, 0 none. */
 int kvs_int4_available(void) { return KVS_INT4; }
 
 #if KVS_INT4
@@ -39,6 +45,21 @@ int kvs_int4_available(void) { return KVS_INT4; }
 #define GROUP 32
 #define ROWS 8   /* activation rows per pass over the weights */
 #define BLOCK 16 /* groups per block: one per 32-bit lane of a 512-bit register */
+
+/* Group g's 32 int8 activations `grp` into the row `q` in the weight's order: within each
+ * block of 16 groups (inputs before `whole`), slice u (0..7) holds inputs 4u..4u+3 of each
+ * group, group j at bytes 4j..4j+3; the groups after the last whole block in order. */
+static inline void place_group(int8_t *q, int64_t g, int64_t whole, const int8_t *grp) {
+    if (g * GROUP < whole) {
+        int8_t *blk = q + g / BLOCK * GROUP * BLOCK;
+        const int64_t j = g % BLOCK;
+        for (int u = 0; u < 8; u++) memcpy(blk + u * 64 + 4 * j, grp + 4 * u, 4);
+    } else {
+        memcpy(q + g * GROUP, grp, GROUP);
+    }
+}
+
+#if KVS_INT4 == 1
 
 /* Sixteen consecutive inputs of an activation row as float32. */
 static inline __m512 load16(const void *x, int bf16, int64_t i) {
@@ -49,9 +70,8 @@ static inline __m512 load16(const void *x, int bf16, int64_t i) {
     return _mm512_loadu_ps((const float *)x + i);
 }
 
-/* Each group of 32 of row x [K] to int8, its scale `dx` and dx * sum(q) `sx`; `q` in the
- * weight's order: within each block of 16 groups, slice u (0..7) holds inputs 4u..4u+3 of
- * each group, group j at bytes 4j..4j+3; the groups after the last whole block in order. */
+/* Each group of 32 of row x [K] to int8, its scale `dx` and dx * sum(q) `sx`, `q` in the
+ * weight's order (place_group). */
 static void quantize_row(const void *x, int bf16, int64_t k, int8_t *q, float *dx, float *sx) {
     const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
     const int64_t whole = k / (GROUP * BLOCK) * (GROUP * BLOCK);
@@ -64,13 +84,7 @@ static void quantize_row(const void *x, int bf16, int64_t k, int8_t *q, float *d
         int8_t grp[GROUP];
         _mm_storeu_si128((__m128i *)grp, _mm512_cvtsepi32_epi8(qa));
         _mm_storeu_si128((__m128i *)(grp + 16), _mm512_cvtsepi32_epi8(qb));
-        if (g * GROUP < whole) {
-            int8_t *blk = q + g / BLOCK * GROUP * BLOCK;
-            const int64_t j = g % BLOCK;
-            for (int u = 0; u < 8; u++) memcpy(blk + u * 64 + 4 * j, grp + 4 * u, 4);
-        } else {
-            memcpy(q + g * GROUP, grp, GROUP);
-        }
+        place_group(q, g, whole, grp);
         dx[g] = d;
         sx[g] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
     }
@@ -133,6 +147,95 @@ static inline __attribute__((always_inline)) void dot_rows(
     }
     for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
 }
+
+#else /* KVS_INT4 == 2 */
+
+/* Each group of 32 of row x [K] to int8 (nearest even, as the AVX-512 path), its scale `dx`
+ * and dx * sum(q) `sx`, in the weight's order (place_group). */
+static void quantize_row(const void *x, int bf16, int64_t k, int8_t *q, float *dx, float *sx) {
+    const int64_t whole = k / (GROUP * BLOCK) * (GROUP * BLOCK);
+    for (int64_t g = 0; g < k / GROUP; g++) {
+        float v[GROUP], amax = 0.f;
+        for (int i = 0; i < GROUP; i++) {
+            v[i] = bf16 ? bf16_to_f32(((const uint16_t *)x)[g * GROUP + i]) : ((const float *)x)[g * GROUP + i];
+            amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
+        }
+        const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        int8_t grp[GROUP];
+        int sum = 0;
+        for (int i = 0; i < GROUP; i++) {
+            const int qi = (int)nearbyintf(v[i] * inv);
+            grp[i] = (int8_t)qi;
+            sum += qi;
+        }
+        place_group(q, g, whole, grp);
+        dx[g] = d;
+        sx[g] = d * (float)sum;
+    }
+}
+
+/* u8 x s8 products summed four to a 32-bit lane, as vpdpbusd (no saturation: 15 * 127 * 2
+ * fits 16 bits). */
+static inline __m256i dot4(__m256i w, __m256i x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+}
+
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* The AVX-512 path's dot_rows on 256-bit registers: each 64-byte chunk of a block is two
+ * halves, groups 0-7 and 8-15 of the block. */
+static inline __attribute__((always_inline)) void dot_rows(
+    const int R, const uint8_t *nib, const uint16_t *wd, const uint16_t *wm, const int8_t *qx,
+    const float *dx, const float *sx, int64_t k, float *out) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    const int64_t groups = k / GROUP, blocks = groups / BLOCK;
+    __m256 acc[ROWS]; /* updated by fused multiply-adds only: the same order for any R */
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++)
+        for (int h = 0; h < 2; h++) {
+            __m256i dot[ROWS];
+            for (int r = 0; r < R; r++) dot[r] = _mm256_setzero_si256();
+            for (int i = 0; i < 4; i++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(nib + b * 256 + i * 64 + h * 32));
+                const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                for (int r = 0; r < R; r++) {
+                    const int8_t *xr = qx + r * k + b * 512 + i * 128 + h * 32;
+                    dot[r] = _mm256_add_epi32(dot[r], dot4(lo, _mm256_loadu_si256((const __m256i *)xr)));
+                    dot[r] = _mm256_add_epi32(dot[r], dot4(hi, _mm256_loadu_si256((const __m256i *)(xr + 64))));
+                }
+            }
+            const int64_t g = b * BLOCK + h * 8;
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wd + g)));
+            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wm + g)));
+            for (int r = 0; r < R; r++) {
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(d, _mm256_loadu_ps(dx + r * groups + g)), acc[r]);
+                acc[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(sx + r * groups + g), acc[r]);
+            }
+        }
+    for (int64_t p = 0; p < (groups - blocks * BLOCK) / 2; p++) { /* the tail's group pairs */
+        const int64_t g = blocks * BLOCK + 2 * p;
+        const __m256i packed = _mm256_loadu_si256((const __m256i *)(nib + blocks * 256 + p * 32));
+        const __m256i wa = _mm256_and_si256(packed, low), wb = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+        const float da = _cvtsh_ss(wd[g]), db = _cvtsh_ss(wd[g + 1]);
+        const __m256 m = _mm256_setr_ps(_cvtsh_ss(wm[g]), _cvtsh_ss(wm[g + 1]), 0.f, 0.f, 0.f, 0.f, 0.f, 0.f);
+        for (int r = 0; r < R; r++) {
+            const int8_t *xr = qx + r * k + g * GROUP;
+            const float *dxr = dx + r * groups, *sxr = sx + r * groups;
+            const __m256i sa = dot4(wa, _mm256_loadu_si256((const __m256i *)xr));
+            const __m256i sb = dot4(wb, _mm256_loadu_si256((const __m256i *)(xr + GROUP)));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sa), _mm256_set1_ps(da * dxr[g]), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sb), _mm256_set1_ps(db * dxr[g + 1]), acc[r]);
+            acc[r] = _mm256_fmadd_ps(m, _mm256_setr_ps(sxr[g], sxr[g + 1], 0.f, 0.f, 0.f, 0.f, 0.f, 0.f), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum256(acc[r]);
+}
+
+#endif
 
 static void *scratch(size_t bytes) {
     static __thread void *buf;
