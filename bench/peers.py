@@ -350,7 +350,7 @@ def levels_of(name: str, args: argparse.Namespace) -> list[int]:
     return args.llamacpp_levels if name == "llamacpp" else args.levels
 
 
-def measure(systems: list[str], args: argparse.Namespace, prompts: dict,
+def measure(systems: list[str], args: argparse.Namespace, prompts: dict[int | tuple[int, int], Path],
             tmp: Path) -> dict[str, dict]:
     """Start every system, warm each up, then drive the levels round by round, system after
     system; {system: {level: the median round's summary + "rounds_tok_s"}} or

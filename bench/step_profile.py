@@ -44,9 +44,10 @@ def phase_sums(metrics: RunnerMetrics) -> dict[str, float]:
 def int4_projections(model) -> list:
     """The model's int4 projections with torch's packed copies, taken before the scheduler
     hands them the native kernel (which frees those copies)."""
+    from kvserve.model.llama import PROJECTIONS
     from kvserve.model.quant import Int4Linear
 
-    lins = [getattr(layer, name) for layer in model.layers for name in ("qkv", "o", "gate_up", "down")]
+    lins = [getattr(layer, name) for layer in model.layers for name in PROJECTIONS]
     return [(lin, lin.packed, lin.scales_and_zeros) for lin in lins if isinstance(lin, Int4Linear)]
 
 
@@ -59,17 +60,18 @@ def compare_native(sched: Scheduler, steps: int, rounds: int, batch: int, int4: 
     from kvserve.kernels import native
 
     supports, rowwise = native.supports, native.rowwise
-    configs = ("native", "torch int4", "torch ops") if any(lin.ops for lin, _, _ in int4) else ("native", "torch ops")
+    kernels = [lin.kernel for lin, _, _ in int4]  # set by the scheduler's use_row_ops
+    configs = ("native", "torch int4", "torch ops") if any(kernels) else ("native", "torch ops")
     times: dict[str, list[float]] = {c: [] for c in configs}
 
     def use(config: str) -> None:
         on = config != "torch ops"
         native.supports = supports if on else (lambda q, k_cache: False)
         native.rowwise = rowwise if on else (lambda x: False)  # RMS norm, rotary, KV store
-        for lin, packed, scales in int4:
+        for (lin, packed, scales), kernel in zip(int4, kernels, strict=True):
             if packed is not None:
                 lin.packed, lin.scales_and_zeros = packed, scales
-                lin.ops = native if config == "native" and lin.blocks is not None else None
+                lin.kernel = kernel if config == "native" else None
 
     for r in range(len(configs) * rounds):
         config = configs[r % len(configs)]

@@ -21,6 +21,9 @@ from torch import nn
 from kvserve.model.config import ModelConfig
 from kvserve.model.quant import Int4Linear, Linear, quantize
 
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
+"""A DecoderLayer's projections (attributes holding a `quant` Linear or weight-only kernel)."""
+
 # attend(layer, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> o [T, Hq, D]
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # rope(x [T, >= heads * D], heads) -> the first `heads` heads rotated, [T, heads, D]
@@ -140,7 +143,7 @@ class DecoderLayer(nn.Module):
     def quantize(self, mode: str) -> None:
         """Swap the four projections for `mode`'s (`kvserve.model.quant`), each with a dense copy
         of its quantized weight for large batches; frees the float weights."""
-        for name in ("qkv", "o", "gate_up", "down"):
+        for name in PROJECTIONS:
             weight = getattr(self, f"{name}_weight")
             lin = quantize(mode, weight, getattr(self, f"{name}_bias"), dense=True)
             setattr(self, name, lin)
@@ -208,7 +211,7 @@ class LlamaForCausalLM(nn.Module):
                 module.row_ops = ops
         int4 = ops if hasattr(ops, "Int4Weight") else None
         for layer in self.layers:
-            for name in ("qkv", "o", "gate_up", "down"):
+            for name in PROJECTIONS:
                 lin = getattr(layer, name)
                 if isinstance(lin, Int4Linear):
                     lin.use_ops(int4)

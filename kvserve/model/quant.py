@@ -214,25 +214,24 @@ class Int4Linear(_WeightOnly):
         self.scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=2).to(ACT).contiguous()  # [K/group, N, 2]
         self.bias = bias
         self.blocks = int4_blocks(q, scale, zero - 8.0 * scale) if group == GROUP and q.shape[1] % 64 == 0 else None
-        self.ops: Any = None
-        self.kernel: Any = None
+        self.kernel: Any = None  # the native kernel's weight once `use_ops` chose it
 
     def use_ops(self, ops: Any) -> None:
         """Multiply through `ops.Int4Weight(nib, d, m)` (a callable: bf16 or fp32 x [M, K] ->
         [M, N]) where `ops.int4_available()` holds, and free torch's packed copy; otherwise
         drop the blocks and keep torch's kernel. Once chosen, the choice stays (either copy
         is freed)."""
-        if self.ops is not None or self.blocks is None or self.packed is None:
+        if self.kernel is not None or self.blocks is None or self.packed is None:
             return
         if ops is not None and ops.int4_available():
             self.kernel = ops.Int4Weight(*self.blocks)
-            self.ops, self.packed, self.scales_and_zeros = ops, None, torch.empty(0)
+            self.packed, self.scales_and_zeros = None, torch.empty(0)
             self.dense_rows = NATIVE_INT4_DENSE_ROWS
         else:
             self.blocks = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.ops is None or (self.dense is not None and x.numel() > self.dense_rows * x.shape[-1]):
+        if self.kernel is None or (self.dense is not None and x.numel() > self.dense_rows * x.shape[-1]):
             return super().__call__(x)
         if x.dim() == 2 and x.stride(1) == 1 and x.dtype in _NATIVE_ACTS:
             y = self.kernel(x)
@@ -242,7 +241,7 @@ class Int4Linear(_WeightOnly):
         return y if self.bias is None else y + self.bias
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
-        if self.ops is not None:
+        if self.kernel is not None:
             return self.kernel(x if x.dtype in _NATIVE_ACTS else x.to(ACT))
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales_and_zeros)
 

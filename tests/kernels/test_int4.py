@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvserve.kernels import native
+from kvserve.model.llama import PROJECTIONS
 from kvserve.model.quant import GROUP, Int4Linear, int4_blocks, int4_groups
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
@@ -124,7 +125,7 @@ def test_the_projection_takes_any_float_dtype_and_batch_shape() -> None:
     w = torch.randn(48, 128, generator=torch.Generator().manual_seed(5))
     lin = Int4Linear(w, None)
     lin.use_ops(native)
-    if lin.ops is None:
+    if lin.kernel is None:
         pytest.skip("this CPU's build has no 4-bit kernel")
     x = torch.randn(2, 3, 128, generator=torch.Generator().manual_seed(6))
     want = lin(x.reshape(6, 128)).reshape(2, 3, 48)
@@ -172,7 +173,7 @@ def test_a_build_without_avx2_has_no_4bit_kernel_and_the_projection_keeps_torchs
     x = torch.randn(3, 128)
     before = lin(x)
     lin.use_ops(NoInt4())
-    assert lin.ops is None and lin.blocks is None and lin.packed is not None  # torch's kernel, blocks freed
+    assert lin.kernel is None and lin.blocks is None and lin.packed is not None  # torch's kernel, blocks freed
     assert torch.equal(lin(x), before)
 
 
@@ -197,8 +198,9 @@ def test_a_model_through_the_native_int4_keeps_its_logits(tmp_path) -> None:
     if not native.int4_available():
         pytest.skip("this CPU's build has no 4-bit kernel")
     model.use_row_ops(native)
-    lins = [getattr(layer, name) for layer in model.layers for name in ("qkv", "o", "gate_up", "down")]
-    assert all(isinstance(lin, Int4Linear) and lin.ops is native and lin.packed is None for lin in lins)
+    lins = [getattr(layer, name) for layer in model.layers for name in PROJECTIONS]
+    assert all(isinstance(lin, Int4Linear) and isinstance(lin.kernel, native.Int4Weight) and lin.packed is None
+               for lin in lins)
     fast = run()
     assert not torch.equal(fast, plain)  # another kernel: 8-bit activations
     assert ((fast - plain).norm() / plain.norm()).item() < 0.05
