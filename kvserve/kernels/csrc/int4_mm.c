@@ -186,6 +186,30 @@ static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+/* The groups after the last whole block (pairs) into acc[0..R). */
+static inline __attribute__((always_inline)) void tail_rows(
+    const int R, const uint8_t *nib, const uint16_t *wd, const uint16_t *wm, const int8_t *qx,
+    const float *dx, const float *sx, int64_t k, __m256 *acc) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    const int64_t groups = k / GROUP, blocks = groups / BLOCK;
+    for (int64_t p = 0; p < (groups - blocks * BLOCK) / 2; p++) { /* the tail's group pairs */
+        const int64_t g = blocks * BLOCK + 2 * p;
+        const __m256i packed = _mm256_loadu_si256((const __m256i *)(nib + blocks * 256 + p * 32));
+        const __m256i wa = _mm256_and_si256(packed, low), wb = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+        const float da = _cvtsh_ss(wd[g]), db = _cvtsh_ss(wd[g + 1]);
+        const __m256 m = _mm256_setr_ps(_cvtsh_ss(wm[g]), _cvtsh_ss(wm[g + 1]), 0.f, 0.f, 0.f, 0.f, 0.f, 0.f);
+        for (int r = 0; r < R; r++) {
+            const int8_t *xr = qx + r * k + g * GROUP;
+            const float *dxr = dx + r * groups, *sxr = sx + r * groups;
+            const __m256i sa = dot4(wa, _mm256_loadu_si256((const __m256i *)xr));
+            const __m256i sb = dot4(wb, _mm256_loadu_si256((const __m256i *)(xr + GROUP)));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sa), _mm256_set1_ps(da * dxr[g]), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sb), _mm256_set1_ps(db * dxr[g + 1]), acc[r]);
+            acc[r] = _mm256_fmadd_ps(m, _mm256_setr_ps(sxr[g], sxr[g + 1], 0.f, 0.f, 0.f, 0.f, 0.f, 0.f), acc[r]);
+        }
+    }
+}
+
 /* The AVX-512 path's dot_rows on 256-bit registers: each 64-byte chunk of a block is two
  * halves, groups 0-7 and 8-15 of the block. */
 static inline __attribute__((always_inline)) void dot_rows(
@@ -216,23 +240,50 @@ static inline __attribute__((always_inline)) void dot_rows(
                 acc[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(sx + r * groups + g), acc[r]);
             }
         }
-    for (int64_t p = 0; p < (groups - blocks * BLOCK) / 2; p++) { /* the tail's group pairs */
-        const int64_t g = blocks * BLOCK + 2 * p;
-        const __m256i packed = _mm256_loadu_si256((const __m256i *)(nib + blocks * 256 + p * 32));
-        const __m256i wa = _mm256_and_si256(packed, low), wb = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
-        const float da = _cvtsh_ss(wd[g]), db = _cvtsh_ss(wd[g + 1]);
-        const __m256 m = _mm256_setr_ps(_cvtsh_ss(wm[g]), _cvtsh_ss(wm[g + 1]), 0.f, 0.f, 0.f, 0.f, 0.f, 0.f);
-        for (int r = 0; r < R; r++) {
-            const int8_t *xr = qx + r * k + g * GROUP;
-            const float *dxr = dx + r * groups, *sxr = sx + r * groups;
-            const __m256i sa = dot4(wa, _mm256_loadu_si256((const __m256i *)xr));
-            const __m256i sb = dot4(wb, _mm256_loadu_si256((const __m256i *)(xr + GROUP)));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sa), _mm256_set1_ps(da * dxr[g]), acc[r]);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sb), _mm256_set1_ps(db * dxr[g + 1]), acc[r]);
-            acc[r] = _mm256_fmadd_ps(m, _mm256_setr_ps(sxr[g], sxr[g + 1], 0.f, 0.f, 0.f, 0.f, 0.f, 0.f), acc[r]);
-        }
-    }
+    tail_rows(R, nib, wd, wm, qx, dx, sx, k, acc);
     for (int r = 0; r < R; r++) out[r] = hsum256(acc[r]);
+}
+
+#define COLS 4 /* outputs per pass over one activation row */
+
+/* dot_rows for one row and COLS outputs (weights `nib`, `wd`, `wm` of the first; the others
+ * follow k/2 bytes and k/32 groups apart): four independent chains where one output alone
+ * waits on its own adds. Each output gets the very operations dot_rows gives it, in the same
+ * order, so the numbers are dot_rows' to the bit. */
+static void dot_cols(const uint8_t *nib, const uint16_t *wd, const uint16_t *wm, const int8_t *qx,
+                     const float *dx, const float *sx, int64_t k, float *out) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    const int64_t groups = k / GROUP, blocks = groups / BLOCK, half = k / 2;
+    __m256 acc[COLS];
+    for (int c = 0; c < COLS; c++) acc[c] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++)
+        for (int h = 0; h < 2; h++) {
+            __m256i dot[COLS];
+            for (int c = 0; c < COLS; c++) dot[c] = _mm256_setzero_si256();
+            for (int i = 0; i < 4; i++) {
+                const int8_t *xr = qx + b * 512 + i * 128 + h * 32;
+                const __m256i xlo = _mm256_loadu_si256((const __m256i *)xr);
+                const __m256i xhi = _mm256_loadu_si256((const __m256i *)(xr + 64));
+                for (int c = 0; c < COLS; c++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(nib + c * half + b * 256 + i * 64 + h * 32));
+                    const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                    dot[c] = _mm256_add_epi32(dot[c], dot4(lo, xlo));
+                    dot[c] = _mm256_add_epi32(dot[c], dot4(hi, xhi));
+                }
+            }
+            const int64_t g = b * BLOCK + h * 8;
+            const __m256 dxv = _mm256_loadu_ps(dx + g), sxv = _mm256_loadu_ps(sx + g);
+            for (int c = 0; c < COLS; c++) {
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wd + c * groups + g)));
+                const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wm + c * groups + g)));
+                acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[c]), _mm256_mul_ps(d, dxv), acc[c]);
+                acc[c] = _mm256_fmadd_ps(m, sxv, acc[c]);
+            }
+        }
+    for (int c = 0; c < COLS; c++) {
+        tail_rows(1, nib + c * half, wd + c * groups, wm + c * groups, qx, dx, sx, k, acc + c);
+        out[c] = hsum256(acc[c]);
+    }
 }
 
 #endif
@@ -265,6 +316,26 @@ int kvs_int4_mm(const void *x, int x_bf16, int64_t x_stride, int64_t m_rows, int
         quantize_row((const char *)x + r * x_stride * (x_bf16 ? 2 : 4), x_bf16, k, qx + r * k,
                      dx + r * groups, sx + r * groups);
 
+#if KVS_INT4 == 2
+    if (m_rows == 1) { /* decode of one stream: COLS outputs at a time (dot_cols) */
+        const int64_t first = n_out / COLS * COLS;
+        #pragma omp parallel for schedule(static) if (n_out * k >= 65536)
+        for (int64_t n = 0; n < n_out; n += COLS) {
+            float out[COLS];
+            if (n < first)
+                dot_cols(nib + n * (k / 2), wd + n * groups, wm + n * groups, qx, dx, sx, k, out);
+            else
+                for (int c = 0; c < n_out - n; c++)
+                    dot_rows(1, nib + (n + c) * (k / 2), wd + (n + c) * groups, wm + (n + c) * groups, qx,
+                             dx, sx, k, out + c);
+            for (int c = 0; c < COLS && n + c < n_out; c++) {
+                if (y_bf16) ((uint16_t *)y)[n + c] = f32_to_bf16(out[c]);
+                else ((float *)y)[n + c] = out[c];
+            }
+        }
+        return 0;
+    }
+#endif
     #pragma omp parallel for schedule(static) if (n_out * k >= 65536)
     for (int64_t n = 0; n < n_out; n++) {
         const uint8_t *wn = nib + n * (k / 2);
