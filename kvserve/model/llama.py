@@ -230,8 +230,7 @@ class LlamaForCausalLM(nn.Module):
             layer.quantize(mode)
         if mode != "none":
             self.head = quantize("int8", self.lm_head, None, dense=True)
-            packed = getattr(self.head.dense, "packed", None) is not None
-            self.head.dense_rows = HEAD_DENSE_ROWS if packed else HEAD_FLOAT_DENSE_ROWS
+            self.head.dense_rows = HEAD_DENSE_ROWS if self.head.dense_packed else HEAD_FLOAT_DENSE_ROWS
             if self.lm_head is not self.embed:
                 self.lm_head.data = torch.empty(0, dtype=self.dtype, device=self.device)
         else:

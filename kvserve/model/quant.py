@@ -121,6 +121,12 @@ class _WeightOnly:
     dense: Linear | None = None
     dense_rows = DENSE_ROWS  # an attribute: bench/step_profile.py --packed-rows moves it
 
+    @property
+    def dense_packed(self) -> bool:
+        """Whether the dense copy is packed for oneDNN (`pack`: native bf16), not a plain float
+        GEMM: the two cross the kernels at different rows."""
+        return self.dense is not None and self.dense.packed is not None
+
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         """The kernel on 2-D bfloat16 activations."""
         raise NotImplementedError
@@ -232,8 +238,7 @@ class Int4Linear(_WeightOnly):
         if ops is not None and ops.int4_available():
             self.kernel = ops.Int4Weight(*self.blocks)
             self.packed, self.scales_and_zeros = None, torch.empty(0)
-            packed = getattr(self.dense, "packed", None) is not None
-            self.dense_rows = NATIVE_INT4_DENSE_ROWS if packed else NATIVE_INT4_FLOAT_DENSE_ROWS
+            self.dense_rows = NATIVE_INT4_DENSE_ROWS if self.dense_packed else NATIVE_INT4_FLOAT_DENSE_ROWS
         else:
             self.blocks = None
 

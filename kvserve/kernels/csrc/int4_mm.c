@@ -299,6 +299,12 @@ static void *scratch(size_t bytes) {
     return buf;
 }
 
+/* y[i] = v, y bf16 when y_bf16, else float32. */
+static inline void put(void *y, int y_bf16, int64_t i, float v) {
+    if (y_bf16) ((uint16_t *)y)[i] = f32_to_bf16(v);
+    else ((float *)y)[i] = v;
+}
+
 /* y [M, N] (bf16 when y_bf16, else float32) = x [M, K] (bf16 when x_bf16; rows x_stride
  * elements apart) @ W.T. 0 on success; -1 where K is not a positive multiple of 64, -2 where
  * memory ran out. */
@@ -329,8 +335,7 @@ int kvs_int4_mm(const void *x, int x_bf16, int64_t x_stride, int64_t m_rows, int
                     dot_rows(1, nib + (n + c) * (k / 2), wd + (n + c) * groups, wm + (n + c) * groups, qx,
                              dx, sx, k, out + c);
             for (int c = 0; c < COLS && n + c < n_out; c++) {
-                if (y_bf16) ((uint16_t *)y)[n + c] = f32_to_bf16(out[c]);
-                else ((float *)y)[n + c] = out[c];
+                put(y, y_bf16, n + c, out[c]);
             }
         }
         return 0;
@@ -356,8 +361,7 @@ int kvs_int4_mm(const void *x, int x_bf16, int64_t x_stride, int64_t m_rows, int
                 default: dot_rows(8, wn, dn, mn, xq, dxr, sxr, k, out); break;
             }
             for (int r = 0; r < R; r++) {
-                if (y_bf16) ((uint16_t *)y)[(r0 + r) * n_out + n] = f32_to_bf16(out[r]);
-                else ((float *)y)[(r0 + r) * n_out + n] = out[r];
+                put(y, y_bf16, (r0 + r) * n_out + n, out[r]);
             }
         }
     }
