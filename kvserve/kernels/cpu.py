@@ -210,6 +210,19 @@ def _prefill(
     return out[0].transpose(0, 1)
 
 
+def native_decode(meta: StepMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(req_to_token int32, rows int64 [B], lens int64 [B]) of a decode step whose attention
+    this backend runs in place through the native kernel, for a caller that runs whole
+    layers natively (`native.DecodeStep`); None where it does not (a prefill in the step,
+    no native kernels, another req_to_token dtype or device)."""
+    if not (meta.is_decode and native.available() and meta.req_to_token.dtype == torch.int32
+            and meta.req_to_token.device.type == "cpu"):
+        return None
+    plan = _plan(meta)
+    assert plan.decode_rows is not None
+    return plan.req_to_token, plan.decode_rows, torch.tensor(plan.decode_lens, dtype=torch.int64)
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -98,6 +98,11 @@ def extend_attention(
     return out
 
 
+def native_decode(meta: StepMetadata) -> None:
+    """None: this backend's attention is not the CPU's native kernel (see `cpu.native_decode`)."""
+    return None
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,

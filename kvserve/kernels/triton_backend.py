@@ -13,6 +13,11 @@ from kvserve.kernels.metadata import StepMetadata, check_attention_args
 from kvserve.kernels.store_kv import store_kv
 
 
+def native_decode(meta: StepMetadata) -> None:
+    """None: this backend's attention is not the CPU's native kernel (see `cpu.native_decode`)."""
+    return None
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -34,4 +39,4 @@ def attention(
     return extend_attention(q, k_cache=k_cache, v_cache=v_cache, meta=meta, sm_scale=sm_scale, out=out)
 
 
-__all__ = ["attention", "decode_attention", "extend_attention", "store_kv"]
+__all__ = ["attention", "decode_attention", "extend_attention", "native_decode", "store_kv"]

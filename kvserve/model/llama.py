@@ -139,6 +139,7 @@ class DecoderLayer(nn.Module):
         self.o = Linear(self.o_weight, self.o_bias)
         self.gate_up = Linear(self.gate_up_weight, self.gate_up_bias)
         self.down = Linear(self.down_weight, self.down_bias)
+        self.fused: Any = None  # the whole layer in one native call (`LlamaForCausalLM.use_row_ops`)
 
     def quantize(self, mode: str) -> None:
         """Swap the four projections for `mode`'s (`kvserve.model.quant`), each with a dense copy
@@ -202,6 +203,7 @@ class LlamaForCausalLM(nn.Module):
         self.head = Linear(self.lm_head, None)
         self.quantization = "none"
         self.row_ops: Any = None
+        self.fused_rows = 0  # decode steps of up to this many rows run each layer in one native call
 
     def use_row_ops(self, ops: Any) -> None:
         """Run the RMS norms and the rotary embedding through `ops` where `ops.rowwise(x)`
@@ -220,6 +222,17 @@ class LlamaForCausalLM(nn.Module):
                 lin = getattr(layer, name)
                 if isinstance(lin, Int4Linear):
                     lin.use_ops(int4)
+            layer.fused = None
+            lins = [getattr(layer, name) for name in PROJECTIONS]
+            if int4 is not None and hasattr(ops, "DecodeLayer") and all(
+                    isinstance(lin, Int4Linear) and lin.kernel is not None and lin.bias is None for lin in lins):
+                cfg = self.config
+                layer.fused = ops.DecodeLayer(
+                    layer.input_norm.weight, layer.post_norm.weight, cfg.rms_norm_eps, *(lin.kernel for lin in lins),
+                    heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
+        fused = all(layer.fused is not None for layer in self.layers)
+        self.fused_rows = min(getattr(layer, name).dense_rows for layer in self.layers for name in PROJECTIONS) \
+            if fused and self.layers else 0
 
     def quantize(self, mode: str) -> None:
         """Weight-only quantization of the loaded model (`kvserve.model.quant`): the layers'
@@ -236,6 +249,24 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.head = quantize("none", self.lm_head, None, dense=True)
         self.quantization = mode
+
+    def _fused_step(self, input_ids: torch.Tensor, meta: Any, k_buffer: torch.Tensor, backend: Any) -> Any:
+        """The row ops' `DecodeStep` for a step that every layer can take in one native call
+        (`DecoderLayer.fused`: a decode step of at most `fused_rows` requests whose attention
+        the backend runs natively in place, `backend.native_decode`), else None."""
+        tokens = input_ids.shape[0]
+        if not 0 < tokens <= self.fused_rows or k_buffer.dtype != self.dtype:
+            return None
+        attention = backend.native_decode(meta)
+        if attention is None:
+            return None
+        req_to_token, rows, lens = attention
+        cfg = self.config
+        self.rotary._ensure(meta.positions)
+        return self.row_ops.DecodeStep(
+            (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size),
+            positions=meta.positions, loc=meta.out_cache_loc, req_to_token=req_to_token, rows=rows, lens=lens,
+            cos=self.rotary.cos, sin=self.rotary.sin, sm_scale=self.sm_scale, pool_size=k_buffer.shape[1])
 
     def weight_slots(self) -> dict[str, WeightSlot]:
         """Every tensor a HF-named checkpoint must supply, keyed by its HF name."""
@@ -310,6 +341,15 @@ class LlamaForCausalLM(nn.Module):
         raises to stop the forward (the runner's lease check). Returns float32 logits [B, vocab] for `logits_indices`.
         """
         scale = self.sm_scale
+        step = self._fused_step(input_ids, meta, k_buffer, backend)
+        if step is not None:
+            x = F.embedding(input_ids, self.embed)
+            for i, layer in enumerate(self.layers):
+                if fence is not None:
+                    fence(i)
+                step.run(layer.fused, x, k_buffer[i], v_buffer[i])
+            x = self.norm(x.index_select(0, logits_indices))
+            return self.head(x).float()
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             if fence is not None:
