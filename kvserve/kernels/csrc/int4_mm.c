@@ -180,6 +180,12 @@ static inline __m256i dot4(__m256i w, __m256i x) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
 }
 
+/* The pairs' sums of a block half (8 vpmaddubsw, each lane at most 15 * 127 * 2 in
+ * magnitude) added in 16 bits (8 * 3810 < 32768: exact), then widened four to a 32-bit lane
+ * once: a vpmaddwd per 256 weights where dot4 takes one per 64 (Zen 2 issues either on one
+ * pipe). Integer sums are exact, so the lanes are dot4's. */
+static inline __m256i widen4(__m256i pairs) { return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)); }
+
 static inline float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -221,17 +227,18 @@ static inline __attribute__((always_inline)) void dot_rows(
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++)
         for (int h = 0; h < 2; h++) {
-            __m256i dot[ROWS];
+            __m256i dot[ROWS]; /* 16-bit pair sums until widen4 */
             for (int r = 0; r < R; r++) dot[r] = _mm256_setzero_si256();
             for (int i = 0; i < 4; i++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(nib + b * 256 + i * 64 + h * 32));
                 const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
                 for (int r = 0; r < R; r++) {
                     const int8_t *xr = qx + r * k + b * 512 + i * 128 + h * 32;
-                    dot[r] = _mm256_add_epi32(dot[r], dot4(lo, _mm256_loadu_si256((const __m256i *)xr)));
-                    dot[r] = _mm256_add_epi32(dot[r], dot4(hi, _mm256_loadu_si256((const __m256i *)(xr + 64))));
+                    dot[r] = _mm256_add_epi16(dot[r], _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xr)));
+                    dot[r] = _mm256_add_epi16(dot[r], _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xr + 64))));
                 }
             }
+            for (int r = 0; r < R; r++) dot[r] = widen4(dot[r]);
             const int64_t g = b * BLOCK + h * 8;
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wd + g)));
             const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wm + g)));
@@ -258,7 +265,7 @@ static void dot_cols(const uint8_t *nib, const uint16_t *wd, const uint16_t *wm,
     for (int c = 0; c < COLS; c++) acc[c] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++)
         for (int h = 0; h < 2; h++) {
-            __m256i dot[COLS];
+            __m256i dot[COLS]; /* 16-bit pair sums until widen4 */
             for (int c = 0; c < COLS; c++) dot[c] = _mm256_setzero_si256();
             for (int i = 0; i < 4; i++) {
                 const int8_t *xr = qx + b * 512 + i * 128 + h * 32;
@@ -267,10 +274,11 @@ static void dot_cols(const uint8_t *nib, const uint16_t *wd, const uint16_t *wm,
                 for (int c = 0; c < COLS; c++) {
                     const __m256i v = _mm256_loadu_si256((const __m256i *)(nib + c * half + b * 256 + i * 64 + h * 32));
                     const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-                    dot[c] = _mm256_add_epi32(dot[c], dot4(lo, xlo));
-                    dot[c] = _mm256_add_epi32(dot[c], dot4(hi, xhi));
+                    dot[c] = _mm256_add_epi16(dot[c], _mm256_maddubs_epi16(lo, xlo));
+                    dot[c] = _mm256_add_epi16(dot[c], _mm256_maddubs_epi16(hi, xhi));
                 }
             }
+            for (int c = 0; c < COLS; c++) dot[c] = widen4(dot[c]);
             const int64_t g = b * BLOCK + h * 8;
             const __m256 dxv = _mm256_loadu_ps(dx + g), sxv = _mm256_loadu_ps(sx + g);
             for (int c = 0; c < COLS; c++) {
