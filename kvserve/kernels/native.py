@@ -5,8 +5,9 @@ K/V in place in the pool, reading each slot once, where the torch path gathers K
 for `F.scaled_dot_product_attention` (issue 18); `store_rows` writes a step's K/V at its
 slots; `rms_norm` and `rotary` (csrc/elementwise.c) are the model's row ops, one pass each
 with torch's numbers, and `int4_mm` (csrc/int4_mm.c) its 4-bit projections on 8-bit
-activations where the CPU has AVX-512 VNNI or AVX2 (the runner hands them to the model:
-`LlamaForCausalLM.use_row_ops`).
+activations where the CPU has AVX-512 VNNI or AVX2, and `int8_mm` (csrc/int8_mm.c) its
+output head, 8-bit weights in groups of 32 on the same 8-bit activations (the runner hands
+them to the model: `LlamaForCausalLM.use_row_ops`).
 The sources are built with the system C compiler (``cc -O3 -march=native -fopenmp``) into a
 per-user cache keyed by the sources, the compiler, the flags and the CPU's flags, and loaded
 with ctypes (no torch headers: the build takes about a second). OpenMP resolves to the
@@ -39,7 +40,8 @@ log = logging.getLogger("kvserve.kernels")
 
 HEADERS = (Path(__file__).with_name("csrc") / "bf16.h",)
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                for name in ("decode_attention.c", "elementwise.c", "int4_mm.c", "decode_layer.c"))
+                for name in ("decode_attention.c", "elementwise.c", "int4_mm.c", "decode_layer.c",
+                              "int8_mm.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fassociative-math",
          "-fno-signed-zeros", "-fno-trapping-math", "-shared", "-fPIC")
 """Reassociation lets the compiler vectorize the dot products' sums; no finite-math
@@ -116,6 +118,9 @@ def build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     lib.kvs_int4_available.restype = ctypes.c_int
     lib.kvs_int4_mm.restype = ctypes.c_int
     lib.kvs_int4_mm.argtypes = [_P, ctypes.c_int, _I64, _I64, _I64, _P, _P, _P, _I64, _P, ctypes.c_int]
+    lib.kvs_int8_available.restype = ctypes.c_int
+    lib.kvs_int8_mm.restype = ctypes.c_int
+    lib.kvs_int8_mm.argtypes = [_P, ctypes.c_int, _I64, _I64, _I64, _P, _P, _I64, _P, ctypes.c_int]
     lib.kvs_decode_layer.restype = ctypes.c_int
     lib.kvs_decode_layer.argtypes = [_P, ctypes.c_int, ctypes.POINTER(_Layer), ctypes.POINTER(_Step), _P, _P,
                                      ctypes.POINTER(_I64)]
@@ -346,6 +351,58 @@ class Int4Weight:
             rc = self._fn(x.data_ptr(), bf16, x.stride(0), x.shape[0], self.k, *self._weight, y.data_ptr(), bf16)
         if rc:
             raise MemoryError(f"int4_mm: no scratch for {x.shape[0]} rows of {self.k}")
+        return y
+
+
+def int8_available() -> bool:
+    """Whether `int8_mm` runs here (the build targets AVX-512 BW, VL and VNNI, or AVX2)."""
+    lib = _load()
+    return lib is not None and bool(lib.kvs_int8_available())
+
+
+def int8_mm(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """x [M, K] (bf16 or fp32, rows contiguous) @ W.T -> [M, N] in x's dtype, for the weight
+    W = d * q in groups of 32 inputs per output row (GGUF Q8_0's shape): `q` int8 [N, K], the
+    groups' scales `d` float16 [N, K/32], both row-major (`kvserve.model.quant.int8_groups`).
+    The activations are quantized to 8 bits per group of 32 (csrc/int8_mm.c); each row's
+    result depends on that row alone. `lib`: another build (tests). One weight multiplied
+    many times: `Int8Weight`, which checks it once."""
+    return Int8Weight(q, d, lib)(x)
+
+
+class Int8Weight:
+    """An 8-bit weight in groups of 32 checked once for `int8_mm`; calling it with x [M, K]
+    multiplies (the output head: one call per decode step)."""
+
+    __slots__ = ("n", "k", "_fn", "_weight", "_keep")
+
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, lib: ctypes.CDLL | None = None) -> None:
+        lib = lib or _load()
+        assert lib is not None, "int8_mm called where available() is False"
+        n, k = q.shape if q.dim() == 2 else (0, -1)
+        if not (q.device.type == "cpu" and q.dtype == torch.int8 and q.is_contiguous() and k > 0
+                and k % 32 == 0 and d.dtype == torch.float16 and d.shape == (n, k // 32)
+                and d.is_contiguous() and d.device.type == "cpu"):
+            raise ValueError(f"int8_mm: q int8 [N, K] with K a multiple of 32, d float16 [N, K/32]; "
+                             f"got q {tuple(q.shape)} {q.dtype}, d {tuple(d.shape)} {d.dtype}")
+        if not lib.kvs_int8_available():
+            raise ValueError("int8_mm: this build has no 8-bit kernel (int8_available() is False)")
+        self.n, self.k = n, k
+        self._fn = lib.kvs_int8_mm
+        self._weight = (q.data_ptr(), d.data_ptr(), n)
+        self._keep = (q, d)  # the pointers' owners
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not (x.dim() == 2 and x.shape[1] == self.k and x.dtype in _SUFFIX and x.stride(1) == 1
+                and x.device.type == "cpu"):
+            raise ValueError(f"int8_mm: x [M, {self.k}] bf16 or fp32 with contiguous rows, got x "
+                             f"{tuple(x.shape)} {x.dtype} strides {x.stride()}")
+        y = x.new_empty(x.shape[0], self.n)
+        bf16 = x.dtype == torch.bfloat16
+        with _traced("kvserve::int8_mm"):
+            rc = self._fn(x.data_ptr(), bf16, x.stride(0), x.shape[0], self.k, *self._weight, y.data_ptr(), bf16)
+        if rc:
+            raise MemoryError(f"int8_mm: no scratch for {x.shape[0]} rows of {self.k}")
         return y
 
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.model.config import ModelConfig
-from kvserve.model.quant import Int4Linear, Linear, quantize
+from kvserve.model.quant import Int4Linear, Int8Linear, Linear, quantize
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 """A DecoderLayer's projections (attributes holding a `quant` Linear or weight-only kernel)."""
@@ -173,12 +173,20 @@ HEAD_DENSE_ROWS = 4
 many rows, the projections above `quant.DENSE_ROWS`: torch's int8 kernel grows faster with
 rows on the head's 49,152 outputs. Whole decode steps of the default model, int8 head vs
 packed bf16 above 1 row (median of 6 alternating rounds, 2026-12-05, Intel Xeon with AMX):
-0.98x at 2 and 4 rows, 1.08x at 8."""
+0.98x at 2 and 4 rows, 1.08x at 8. The native 8-bit head (`use_row_ops`) keeps it too: not
+measured for that kernel (no AMX machine at hand when it came)."""
 HEAD_FLOAT_DENSE_ROWS = 64
 """The same switch where the head's dense copy is a plain float32 GEMM (no native bf16):
 torch's int8 kernel vs float32 dense on the head's [49,152, 576] (warm, 2026-12-06, AMD EPYC
 Zen 2, AVX2 only, 2 cores, ms) at 8 / 16 / 32 / 64 / 128 rows: 7.6 vs 26.8, 14.9 vs 30.1,
 30.2 vs 40.0, 59.2 vs 59.6, 116.7 vs 94.1."""
+NATIVE_HEAD_FLOAT_DENSE_ROWS = 256
+"""`HEAD_FLOAT_DENSE_ROWS` for the native 8-bit head (`use_row_ops`), whose time grows more
+slowly with rows than torch's int8 kernel: native vs float32 dense on the head's [49,152,
+576] (bench/int8_head.py --dense, median of 5 cold passes, 2026-12-06, AMD EPYC Zen 2, AVX2
+only, 2 cores, ms) at 8 / 16 / 32 / 64 / 128 / 256 rows: 4.1 vs 25.1, 8.3 vs 30.1, 16.3 vs
+40.3, 31.9 vs 57.7, 63.1 vs 91.0, 140.5 vs 159.7; even at 384 (213.4 vs 214.4), dense ahead
+at 512 (282.4 vs 268.3)."""
 
 
 class LlamaForCausalLM(nn.Module):
@@ -211,11 +219,17 @@ class LlamaForCausalLM(nn.Module):
         `rotary(x, heads, cos_table, sin_table, positions)` giving these modules' numbers
         (the runner passes `kvserve.kernels.native`; this package imports no kernels). None:
         torch's ops. The int4 projections take `ops.Int4Weight` where the ops have one and
-        `ops.int4_available()` (`quant.Int4Linear.use_ops`: a choice made once)."""
+        `ops.int4_available()` (`quant.Int4Linear.use_ops`: a choice made once), the int8
+        head `ops.Int8Weight` where `ops.int8_available()` (`quant.Int8Linear.use_ops`), with
+        its own switch to the dense copy."""
         self.row_ops = ops
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.row_ops = ops
+        if isinstance(self.head, Int8Linear) and self.head.kernel is None:
+            self.head.use_ops(ops if hasattr(ops, "Int8Weight") else None)
+            if self.head.kernel is not None:
+                self.head.dense_rows = HEAD_DENSE_ROWS if self.head.dense_packed else NATIVE_HEAD_FLOAT_DENSE_ROWS
         int4 = ops if hasattr(ops, "Int4Weight") else None
         for layer in self.layers:
             for name in PROJECTIONS:
@@ -242,7 +256,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             layer.quantize(mode)
         if mode != "none":
-            self.head = quantize("int8", self.lm_head, None, dense=True)
+            self.head = quantize("int8", self.lm_head, None, dense=True, groups=True)
             self.head.dense_rows = HEAD_DENSE_ROWS if self.head.dense_packed else HEAD_FLOAT_DENSE_ROWS
             if self.lm_head is not self.embed:
                 self.lm_head.data = torch.empty(0, dtype=self.dtype, device=self.device)

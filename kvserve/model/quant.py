@@ -18,7 +18,10 @@ hands it to `Int4Linear.use_ops`), int4 projections multiply through it instead:
 codes with the file's float16 scale and minimum (`int4_blocks` lays them out), on
 activations quantized to int8 per group of 32 as llama.cpp's Q4_1 dots do, integer dot
 products instead of torch's per-weight float conversion. The dense copies stay the grid of
-torch's kernel (bfloat16 scale and zero point).
+torch's kernel (bfloat16 scale and zero point). The output head likewise where they have an
+8-bit one (`Int8Linear.use_ops`): it also keeps its weight in groups of 32 with a float16
+scale each (`int8_groups`: GGUF Q8_0's blocks, finer than torch's one scale per row), and
+once the native kernel multiplies by those its dense copy holds their values.
 
 `auto` (the default) follows the file: on CPU, a GGUF whose projections are mostly 4-bit
 (Q4_0, Q4_1, Q4_K, IQ4) runs int4, mostly 5 to 8-bit (Q5_*, Q6_K, Q8_0) int8, and float
@@ -66,6 +69,7 @@ EPYC Zen 2, AVX2 only, 2 cores, ms) at 8 / 16 / 32 / 64 / 128 rows: 19.8 vs 74.7
 GROUP = 32
 _INNER_K_TILES = 2  # the CPU packing's K tiling (K must be a multiple of 16 × this)
 ACT = torch.bfloat16  # the kernels' activation dtype
+_NATIVE_ACTS = (torch.bfloat16, torch.float32)  # what the native kernels take as is
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -119,6 +123,7 @@ class _WeightOnly:
 
     bias: torch.Tensor | None
     dense: Linear | None = None
+    kernel: Any = None  # a native kernel's weight once `use_ops` chose it (bf16 or fp32 x [M, K] -> [M, N])
     dense_rows = DENSE_ROWS  # an attribute: bench/step_profile.py --packed-rows moves it
 
     @property
@@ -141,26 +146,75 @@ class _WeightOnly:
         shape = x.shape
         if self.dense is not None and x.numel() > self.dense_rows * shape[-1]:
             return self.dense(x)
-        y = self._mm(x.reshape(-1, shape[-1]).to(ACT)).to(x.dtype)
-        y = y.reshape(*shape[:-1], y.shape[-1])  # not -1: a step may ask no logits (0 rows)
+        if self.kernel is not None and x.dim() == 2 and x.stride(1) == 1 and x.dtype in _NATIVE_ACTS:
+            y = self.kernel(x)  # float32 or bfloat16 as they are
+        else:
+            flat = x.reshape(-1, shape[-1])
+            y = self._mm(flat.contiguous() if self.kernel is not None else flat.to(ACT)).to(x.dtype)
+            y = y.reshape(*shape[:-1], y.shape[-1])  # not -1: a step may ask no logits (0 rows)
         return y if self.bias is None else y + self.bias
 
 
 class Int8Linear(_WeightOnly):
-    """Per-row symmetric int8 weight [N, K] with float scales [N]."""
+    """Per-row symmetric int8 weight [N, K] with float scales [N] for torch's kernel; with
+    `groups` (where K is a multiple of 32), also in groups of 32 (`int8_groups`: Q8_0's
+    shape) for a native kernel (`use_ops`)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, groups: bool = False) -> None:
         w = weight.float()
         scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
         self.qweight = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
         self.scales = scales.to(ACT)
         self.bias = bias
+        self.groups = int8_groups(weight) if groups and weight.shape[1] % GROUP == 0 else None
 
     def dequantized(self) -> torch.Tensor:
+        """The float weight the kernel in use multiplies by: torch's per-row grid, or the
+        groups' once `use_ops` chose the native kernel."""
+        if self.kernel is not None:
+            return int8_dequantized(*self.groups)
         return self.qweight.float() * self.scales.float()[:, None]
 
+    def use_ops(self, ops: Any) -> None:
+        """Multiply through `ops.Int8Weight(q, d)` (a callable: bf16 or fp32 x [M, K] -> [M, N])
+        where `ops.int8_available()` holds: free torch's per-row copy and make the dense copy
+        the groups' values (what the kernel computes with). Otherwise drop the groups and keep
+        torch's kernel. Once chosen, the choice stays (either copy is freed). The caller sets
+        `dense_rows` for the kernel it got."""
+        if self.kernel is not None or self.groups is None:
+            return
+        if ops is not None and ops.int8_available():
+            self.kernel = ops.Int8Weight(*self.groups)
+            self.qweight, self.scales = torch.empty(0, dtype=torch.int8), torch.empty(0, dtype=ACT)
+            if self.dense is not None:
+                dense = self.dense.packed if self.dense_packed else self.dense.weight
+                self.set_dense(self.dequantized().to(dense.dtype))
+        else:
+            self.groups = None
+
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(x if x.dtype in _NATIVE_ACTS else x.to(ACT))
         return torch._weight_int8pack_mm(x, self.qweight, self.scales)
+
+
+def int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [N, K] in -127..127, d float16 [N, K/32]) for weight [N, K] (K a multiple of
+    32): each group of 32 inputs of a row on 127 steps either side of zero, d its largest
+    magnitude / 127 rounded to float16 and q = round(w / d). That is GGUF Q8_0's block, so a
+    Q8_0 file's weights, dequantized to float32, give back exactly the file's d and q."""
+    n, k = weight.shape
+    w = weight.float().reshape(n, k // GROUP, GROUP)
+    d = (w.abs().amax(dim=2) / 127.0).to(torch.float16)
+    step = d.float()[..., None]
+    q = torch.where(step > 0, w / step, 0.0).round().clamp(-127, 127).to(torch.int8)
+    return q.reshape(n, k).contiguous(), d.contiguous()
+
+
+def int8_dequantized(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """The float32 weight d * q of `int8_groups`' codes and scales."""
+    n, k = q.shape
+    return (q.float().reshape(n, k // GROUP, GROUP) * d.float()[..., None]).reshape(n, k)
 
 
 def int4_groups(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -186,7 +240,6 @@ def int4_dequantized(weight: torch.Tensor, group: int = GROUP,
     return ((q.float().reshape(n, k // group, group) - 8.0) * s + z).reshape(n, k)
 
 
-_NATIVE_ACTS = (torch.bfloat16, torch.float32)  # what the native kernel takes as is
 BLOCK = 16
 """Groups per block of `int4_blocks`' layout (one per 32-bit lane of a 512-bit register)."""
 
@@ -226,7 +279,6 @@ class Int4Linear(_WeightOnly):
         self.scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=2).to(ACT).contiguous()  # [K/group, N, 2]
         self.bias = bias
         self.blocks = int4_blocks(q, scale, zero - 8.0 * scale) if group == GROUP and q.shape[1] % 64 == 0 else None
-        self.kernel: Any = None  # the native kernel's weight once `use_ops` chose it
 
     def use_ops(self, ops: Any) -> None:
         """Multiply through `ops.Int4Weight(nib, d, m)` (a callable: bf16 or fp32 x [M, K] ->
@@ -241,16 +293,6 @@ class Int4Linear(_WeightOnly):
             self.dense_rows = NATIVE_INT4_DENSE_ROWS if self.dense_packed else NATIVE_INT4_FLOAT_DENSE_ROWS
         else:
             self.blocks = None
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is None or (self.dense is not None and x.numel() > self.dense_rows * x.shape[-1]):
-            return super().__call__(x)
-        if x.dim() == 2 and x.stride(1) == 1 and x.dtype in _NATIVE_ACTS:
-            y = self.kernel(x)
-        else:
-            y = self._mm(x.reshape(-1, x.shape[-1]).contiguous()).to(x.dtype)
-            y = y.reshape(*x.shape[:-1], y.shape[-1])
-        return y if self.bias is None else y + self.bias
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
@@ -280,9 +322,11 @@ def supports(mode: str, weight: torch.Tensor) -> bool:
 
 
 def quantize(mode: str, weight: torch.Tensor, bias: torch.Tensor | None, *,
-             dense: bool = False) -> Linear | _WeightOnly:
+             dense: bool = False, groups: bool = False) -> Linear | _WeightOnly:
     """The `Linear` for `weight` in `mode` (a weight int4 cannot take falls back to int8);
-    `dense`: keep a copy of the quantized weight in `weight`'s dtype for large batches."""
+    `dense`: keep a copy of the quantized weight in `weight`'s dtype for large batches;
+    `groups`: an int8 weight also keeps its groups of 32 for a native kernel
+    (`Int8Linear.use_ops`)."""
     if mode not in MODES:
         raise ValueError(f"quantization must be one of {', '.join(MODES)}, got {mode!r}")
     if weight.device.type != "cpu" and mode != "none":
@@ -292,7 +336,7 @@ def quantize(mode: str, weight: torch.Tensor, bias: torch.Tensor | None, *,
         lin = Int4Linear(weight, bias)
         grid = int4_dequantized(weight, scale_dtype=ACT) if dense else None
     elif mode in ("int4", "int8"):
-        lin = Int8Linear(weight, bias)
+        lin = Int8Linear(weight, bias, groups=groups)
         grid = lin.dequantized() if dense else None
     else:
         return Linear(weight, bias, pack(weight) if dense else None)
