@@ -1,10 +1,13 @@
 """kvserve.kernels.native: the C decode attention, in place over the pool, against float64
 attention on the gathered K/V, and the RMS norm against torch's ops (both builds: this
-CPU's, and the portable one without AVX-512)."""
+CPU's, and the portable one without AVX-512, which is the AVX2 one on an AVX2 CPU; the
+decode attention also in a build without AVX2, its plain C path)."""
 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -87,6 +90,113 @@ def test_slot_outside_the_pool_is_refused(lib):
     with pytest.raises(ValueError, match="batch row 1 has a slot outside the pool of 64"):
         native.decode_attention(q, k_cache, k_cache, r2t, torch.tensor([0, 1]), torch.tensor([3, 40]),
                                 0.125, lib=lib)
+
+
+@pytest.fixture(scope="module")
+def plain_lib():
+    """A build without AVX2 (nor AVX-512): the decode attention's plain C path for every D."""
+    built = native.build(("-mno-avx512f", "-mno-avx2"))
+    assert built is not None, "the kernels did not build without AVX2"
+    return built
+
+
+@contextmanager
+def threads(n: int) -> Iterator[None]:
+    """torch's (and so the kernels') OpenMP threads set to n for the block."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def random_case(dtype, hq, hkv, d, lens, seed):
+    """(q, k_cache, v_cache, req_to_token, rows, lens) with scattered slots, rows in a
+    shuffled order, and NaN K/V in every slot no row names (never to be read)."""
+    g = torch.Generator().manual_seed(seed)
+    size = sum(lens) + 64
+    k_cache = torch.randn(size, hkv, d, generator=g)
+    v_cache = torch.randn(size, hkv, d, generator=g)
+    r2t = torch.full((len(lens) + 2, max(lens) + 3), -1, dtype=torch.int32)
+    rows = torch.randperm(len(lens) + 2, generator=g)[: len(lens)]
+    slots = torch.randperm(size, generator=g)
+    used = torch.zeros(size, dtype=torch.bool)
+    start = 0
+    for row, n in zip(rows.tolist(), lens, strict=True):
+        r2t[row, :n] = slots[start : start + n].int()
+        used[slots[start : start + n]] = True
+        start += n
+    k_cache[~used] = float("nan")
+    v_cache[~used] = float("nan")
+    q = torch.randn(len(lens), hq, d, generator=g).to(dtype)
+    return q, k_cache.to(dtype), v_cache.to(dtype), r2t, rows, torch.tensor(lens)
+
+
+LONG_CASES = [
+    (9, 3, 64, [2047]),  # one long request: its chunks spread over the threads
+    (9, 3, 64, [1000, 33]),  # two, ragged, neither length a multiple of a chunk
+    (8, 1, 128, [1537]),  # group 8, D 128
+    (32, 8, 128, [700, 2]),  # 8 KV heads: two items of 4 per row
+    (20, 20, 64, [129, 64]),  # group 1, 20 KV heads: items of 16 and 4
+    (4, 4, 48, [999]),  # a D without a fixed-length loop
+]
+
+
+def check_long(lib, dtype, hq, hkv, d, lens):
+    q, k_cache, v_cache, r2t, rows, lens_t = random_case(dtype, hq, hkv, d, lens, seed=d + sum(lens))
+    scale = 1.5 * d**-0.5  # peakier weights than 1/sqrt(d)
+    for n in (1, 4):  # one thread: each row whole; four: chunks spread
+        with threads(n):
+            out = native.decode_attention(q, k_cache, v_cache, r2t, rows, lens_t, scale, lib=lib)
+        assert out.dtype == dtype and out.shape == q.shape
+        err = (out.double() - oracle(q, k_cache, v_cache, r2t, rows, lens, scale)).abs().max().item()
+        tol = 1e-5 if dtype == torch.float32 else 1.6e-2
+        assert err <= tol, f"{n} thread(s): max abs error {err:.3g} > {tol}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("hq", "hkv", "d", "lens"), LONG_CASES)
+def test_long_contexts_match_attention_on_gathered_kv(lib, dtype, hq, hkv, d, lens):
+    check_long(lib, dtype, hq, hkv, d, lens)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("hq", "hkv", "d", "lens"), LONG_CASES[1:3] + [(9, 3, 64, [1, 31, 32, 33, 200])])
+def test_the_plain_path_matches_attention_on_gathered_kv(plain_lib, dtype, hq, hkv, d, lens):
+    check_long(plain_lib, dtype, hq, hkv, d, lens)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_row_gets_the_same_bits_alone_in_any_batch_on_any_threads(lib, dtype):
+    """Chunks are fixed by the length alone and merged in their order, so a row's result is
+    the same bits whether one thread runs all its chunks (one thread; the 16 rows on 2) or
+    several share them (a few rows alone; the 16 on 5 threads)."""
+    lens = [1500, 70, 2000, 1, 300, 31, 64, 65, 257, 256, 33, 129, 2, 511, 100, 40]
+    q, k_cache, v_cache, r2t, rows, lens_t = random_case(dtype, 9, 3, 64, lens, seed=5)
+
+    def attend(pick: list[int]) -> torch.Tensor:
+        return native.decode_attention(q[pick], k_cache, v_cache, r2t, rows[pick], lens_t[pick], 0.125, lib=lib)
+
+    everyone = list(range(len(lens)))
+    with threads(1):
+        whole = attend(everyone)
+    assert torch.isfinite(whole).all()
+    for n in (1, 2, 5):
+        with threads(n):
+            for pick in [everyone, [0, 2], *([b] for b in everyone)]:
+                assert torch.equal(attend(pick), whole[pick]), f"rows {pick} on {n} threads"
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_a_slot_outside_the_pool_in_a_late_chunk_names_the_first_such_row(lib, n):
+    q, k_cache, v_cache, r2t, rows, lens = random_case(torch.float32, 9, 3, 64, [40, 900, 700], seed=3)
+    r2t[rows[1], 850] = k_cache.shape[0]  # one past the pool, in a late chunk
+    r2t[rows[2], 650] = -1
+    with threads(n), pytest.raises(ValueError, match="batch row 1 has a slot outside the pool"):
+        native.decode_attention(q, k_cache, v_cache, r2t, rows, lens, 0.125, lib=lib)
+    with threads(n), pytest.raises(ValueError, match="batch row 0 has a slot outside the pool"):
+        native.decode_attention(q[2:], k_cache, v_cache, r2t, rows[2:], lens[2:], 0.125, lib=lib)
 
 
 def test_the_cpu_backend_takes_it_for_decode():
