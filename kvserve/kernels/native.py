@@ -38,7 +38,7 @@ import torch
 
 log = logging.getLogger("kvserve.kernels")
 
-HEADERS = (Path(__file__).with_name("csrc") / "bf16.h",)
+HEADERS = tuple(Path(__file__).with_name("csrc") / name for name in ("bf16.h", "scratch.h"))
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("decode_attention.c", "elementwise.c", "int4_mm.c", "decode_layer.c",
                               "int8_mm.c"))

@@ -15,33 +15,15 @@ import torch
 
 from kvserve.kernels import native
 from kvserve.model.quant import GROUP, Int8Linear, int8_dequantized, int8_groups
+from tests.kernels.weightonly import kernel_build, quantized_activations
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 
 
 @pytest.fixture(scope="module", params=["native", "avx2"])
 def lib(request):
-    """This CPU's build (AVX-512 VNNI where it has it) and the AVX2 one (as on a CPU without
-    AVX-512), each skipped where the CPU lacks what it needs."""
-    built = native.build() if request.param == "native" else native.build(("-mno-avx512f",))
-    assert built is not None, "the kernels did not build with the system compiler"
-    if not built.kvs_int8_available():
-        pytest.skip(f"no 8-bit kernel in the {request.param} build on this CPU: torch's int8 kernel runs")
-    if request.param == "avx2":
-        assert built.kvs_int8_available() == 2
-    return built
-
-
-def quantized_activations(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernel quantizes it: per group of 32, q = x * (127 / amax) rounded to nearest
-    even (float32), times amax / 127."""
-    m, k = x.shape
-    g = x.float().reshape(m, k // GROUP, GROUP)
-    amax = g.abs().amax(-1, keepdim=True)
-    # an IEEE float32 division, as the kernel's (torch's scalar / tensor multiplies by a
-    # reciprocal: a last-place difference that moves a product off a tie)
-    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
-    return (torch.round(g * inv) * (amax / 127.0)).reshape(m, k)
+    """This CPU's build and the AVX2 one, each skipped where it has no 8-bit kernel."""
+    return kernel_build(request.param, "kvs_int8_available")
 
 
 def weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,4 +1,4 @@
-/* bfloat16 <-> float32 for the CPU kernels (kvserve/kernels/csrc/*.c). */
+/* bfloat16 <-> float32 for the CPU kernels (the C files beside it). */
 #ifndef KVSERVE_BF16_H
 #define KVSERVE_BF16_H
 #include <stdint.h>

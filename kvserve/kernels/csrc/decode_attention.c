@@ -38,6 +38,7 @@
 #endif
 
 #include "bf16.h"
+#include "scratch.h"
 
 #define BLOCK 64      /* tokens per online-softmax step */
 #define CHUNK 64      /* tokens per partial result, a multiple of BLOCK; half that up to SHORT */
@@ -510,19 +511,6 @@ static __attribute__((noinline)) void finish(const call *c, int64_t b, int64_t i
             else ((float *)c->out)[off + h * c->d + x] = o;
         }
     }
-}
-
-/* The calling thread's scratch for the split's partials, grown on demand and kept (a decode
- * step calls once per layer with the same shapes). */
-static void *scratch(size_t bytes) {
-    static __thread void *buf;
-    static __thread size_t cap;
-    if (bytes > cap) {
-        free(buf);
-        buf = malloc(bytes);
-        cap = buf ? bytes : 0;
-    }
-    return buf;
 }
 
 /* Keeps the first batch row with a slot outside the pool. */

@@ -32,6 +32,7 @@
 #include <stdlib.h>
 
 #include "bf16.h"
+#include "scratch.h"
 
 enum {
     KVS_LAYER_NO_SCRATCH = 1,
@@ -95,17 +96,6 @@ typedef struct {
     int64_t pool_size;             /* slots of one layer's cache */
     float sm_scale;
 } kvs_step;
-
-static void *scratch(size_t bytes) {
-    static __thread void *buf;
-    static __thread size_t cap;
-    if (bytes > cap) {
-        free(buf);
-        buf = malloc(bytes);
-        cap = buf ? bytes : 0;
-    }
-    return buf;
-}
 
 static inline float silu(float g) { return g / (1.f + expf(-g)); }
 

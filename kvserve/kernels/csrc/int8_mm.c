@@ -32,6 +32,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "scratch.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
@@ -179,23 +180,6 @@ static inline __attribute__((always_inline)) void dot_rows(
 }
 
 #endif
-
-static void *scratch(size_t bytes) {
-    static __thread void *buf;
-    static __thread size_t cap;
-    if (bytes > cap) {
-        free(buf);
-        buf = malloc(bytes);
-        cap = buf ? bytes : 0;
-    }
-    return buf;
-}
-
-/* y[i] = v, y bf16 when y_bf16, else float32. */
-static inline void put(void *y, int y_bf16, int64_t i, float v) {
-    if (y_bf16) ((uint16_t *)y)[i] = f32_to_bf16(v);
-    else ((float *)y)[i] = v;
-}
 
 /* y [M, N] (bf16 when y_bf16, else float32) = x [M, K] (bf16 when x_bf16; rows x_stride
  * elements apart) @ W.T for W = d * q (q int8 [N, K], d float16 [N, K / 32]). 0 on success;
