@@ -15,7 +15,7 @@ import torch
 
 from kvserve.kernels import native
 from kvserve.model.quant import GROUP, Int8Linear, int8_dequantized, int8_groups
-from tests.kernels.weightonly import kernel_build, quantized_activations
+from tests.kernels.weightonly import check_exact_sums, check_within_rounding, kernel_build
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 
@@ -66,24 +66,7 @@ def test_groups_round_each_weight_to_its_groups_nearest_step() -> None:
 @pytest.mark.parametrize(("n", "k"), [(40, 32), (33, 96), (96, 576), (17, 544), (9, 1536)])
 def test_computes_the_sum_of_its_quantized_operands(lib, dtype, n, k) -> None:
     q, d, grid = weight(n, k, n + k)
-    x = (torch.randn(11, k, generator=torch.Generator().manual_seed(k)) * 3).to(dtype)
-    x[3] = 0  # a row of zeros: scale 0, no division by it
-    x[4, :GROUP] = 0  # and a group of zeros
-    y = native.int8_mm(x, q, d, lib=lib)
-    assert y.dtype == dtype and y.shape == (11, n)
-    want = quantized_activations(x).double() @ grid.t()
-    assert torch.equal(y[3], torch.zeros(n, dtype=dtype))
-    if dtype == torch.float32:  # float32 sums of exact integer dots
-        assert (y.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
-    else:  # the float32 result rounded to bf16 once
-        assert torch.allclose(y.double(), want, rtol=2**-8, atol=1e-6 * want.abs().max().item())
-    # each row's result is the same alone as in any batch (the 8-row passes included)
-    for r in (0, 7, 8, 10):
-        assert torch.equal(native.int8_mm(x[r : r + 1], q, d, lib=lib)[0], y[r])
-    assert torch.equal(native.int8_mm(x[5:9], q, d, lib=lib), y[5:9])
-    # strided rows (a view of wider rows) read the same values
-    wide = torch.cat([x, torch.ones(11, 64, dtype=dtype)], 1)[:, :k]
-    assert torch.equal(native.int8_mm(wide, q, d, lib=lib), y)
+    check_exact_sums(lambda x: native.int8_mm(x, q, d, lib=lib), grid, dtype)
 
 
 def test_stays_within_the_activations_rounding_of_the_float_product(lib) -> None:
@@ -91,16 +74,7 @@ def test_stays_within_the_activations_rounding_of_the_float_product(lib) -> None
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(7)) * 0.05
     q, d = int8_groups(w)
     grid = int8_dequantized(q, d).double()
-    x = torch.randn(6, k, generator=torch.Generator().manual_seed(8))
-    y = native.int8_mm(x, q, d, lib=lib).double()
-    exact = x.double() @ grid.t()
-    # each activation moves by at most half a step of its group (amax / 254)
-    amax = x.double().reshape(6, k // GROUP, GROUP).abs().amax(-1)
-    bound = (amax[:, :, None] / 254 * grid.abs().reshape(n, k // GROUP, GROUP).permute(1, 2, 0)
-             .sum(1)[None]).sum(1)  # [rows, N]
-    err = (y - exact).abs()
-    assert (err <= bound * 1.001 + 1e-6).all(), (err / bound).max()
-    assert err.max() > 0  # the activations are quantized
+    check_within_rounding(lambda x: native.int8_mm(x, q, d, lib=lib), grid)
 
 
 def test_refuses_what_it_cannot_take(lib) -> None:

@@ -4,6 +4,7 @@ builds, and the activations as the kernels quantize them."""
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -36,3 +37,41 @@ def quantized_activations(x: torch.Tensor) -> torch.Tensor:
     # reciprocal: a last-place difference that moves a product off a tie)
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     return (torch.round(g * inv) * (amax / 127.0)).reshape(m, k)
+
+
+def check_exact_sums(mm: Callable[[torch.Tensor], torch.Tensor], grid: torch.Tensor, dtype: torch.dtype) -> None:
+    """mm(x [M, K]) -> [M, N], a kernel for the weight `grid` [N, K] (float64), computes exactly
+    the sums of x's quantized activations and the weight, a row of zeros gives zeros, each row
+    alone as in any batch (the 8-row passes included), and strided rows the same values."""
+    n, k = grid.shape
+    x = (torch.randn(11, k, generator=torch.Generator().manual_seed(k)) * 3).to(dtype)
+    x[3] = 0  # a row of zeros: scale 0, no division by it
+    x[4, :GROUP] = 0  # and a group of zeros
+    y = mm(x)
+    assert y.dtype == dtype and y.shape == (11, n)
+    want = quantized_activations(x).double() @ grid.t()
+    assert torch.equal(y[3], torch.zeros(n, dtype=dtype))
+    if dtype == torch.float32:  # float32 sums of exact integer dots
+        assert (y.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    else:  # the float32 result rounded to bf16 once
+        assert torch.allclose(y.double(), want, rtol=2**-8, atol=1e-6 * want.abs().max().item())
+    for r in (0, 7, 8, 10):
+        assert torch.equal(mm(x[r : r + 1])[0], y[r])
+    assert torch.equal(mm(x[5:9]), y[5:9])
+    wide = torch.cat([x, torch.ones(11, 64, dtype=dtype)], 1)[:, :k]
+    assert torch.equal(mm(wide), y)
+
+
+def check_within_rounding(mm: Callable[[torch.Tensor], torch.Tensor], grid: torch.Tensor) -> None:
+    """mm(x) differs from the float product x @ grid.T by no more than the activations'
+    rounding (each moves by at most half a step of its group, amax / 254), and does differ."""
+    n, k = grid.shape
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(8))
+    y = mm(x).double()
+    exact = x.double() @ grid.t()
+    amax = x.double().reshape(6, k // GROUP, GROUP).abs().amax(-1)
+    bound = (amax[:, :, None] / 254 * grid.abs().reshape(n, k // GROUP, GROUP).permute(1, 2, 0)
+             .sum(1)[None]).sum(1)  # [rows, N]
+    err = (y - exact).abs()
+    assert (err <= bound * 1.001 + 1e-6).all(), (err / bound).max()
+    assert err.max() > 0  # the activations are quantized
