@@ -53,14 +53,15 @@ def int4_projections(model) -> list:
 
 def compare_native(sched: Scheduler, steps: int, rounds: int, batch: int, int4: list) -> None:
     """Median decode step with the native kernels on (decode attention, RMS norm, rotary, KV
-    store, the 4-bit projections), with all but the 4-bit projections (torch's int4 kernel),
-    and off, alternating rounds."""
+    store, the 4-bit projections, whole layers in one call), with all but the 4-bit
+    projections and the one-call layers (torch's int4 kernel), and off, alternating rounds."""
     import statistics
 
     from kvserve.kernels import native
 
     supports, rowwise = native.supports, native.rowwise
     kernels = [lin.kernel for lin, _, _ in int4]  # set by the scheduler's use_row_ops
+    fused_rows = sched.model.fused_rows
     configs = ("native", "torch int4", "torch ops") if any(kernels) else ("native", "torch ops")
     times: dict[str, list[float]] = {c: [] for c in configs}
 
@@ -68,6 +69,7 @@ def compare_native(sched: Scheduler, steps: int, rounds: int, batch: int, int4: 
         on = config != "torch ops"
         native.supports = supports if on else (lambda q, k_cache: False)
         native.rowwise = rowwise if on else (lambda x: False)  # RMS norm, rotary, KV store
+        sched.model.fused_rows = fused_rows if config == "native" else 0
         for (lin, packed, scales), kernel in zip(int4, kernels, strict=True):
             if packed is not None:
                 lin.packed, lin.scales_and_zeros = packed, scales

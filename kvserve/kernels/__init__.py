@@ -3,7 +3,9 @@
 `get_backend("torch")` is the fast plain-torch CPU backend (SDPA over gathered or viewed
 K/V), `get_backend("reference")` the obviously-correct plain-torch test oracle;
 `get_backend("triton")` runs the Triton kernels (imported lazily, so CPU-only users never
-import triton).  Both expose `attention(q, k, v, *, k_cache, v_cache, meta, sm_scale)`;
+import triton).  Each exposes `attention(q, k, v, *, k_cache, v_cache, meta, sm_scale)` and
+`native_decode(meta)` (a decode step's attention inputs for the CPU's one-call layers, or
+None: only the torch backend's are native);
 `build_step_metadata` builds the per-step `meta` (see docs/interfaces.md).
 
 Imports only torch (and triton, lazily).

@@ -7,7 +7,8 @@ slots; `rms_norm` and `rotary` (csrc/elementwise.c) are the model's row ops, one
 with torch's numbers, and `int4_mm` (csrc/int4_mm.c) its 4-bit projections on 8-bit
 activations where the CPU has AVX-512 VNNI or AVX2, and `int8_mm` (csrc/int8_mm.c) its
 output head, 8-bit weights in groups of 32 on the same 8-bit activations (the runner hands
-them to the model: `LlamaForCausalLM.use_row_ops`).
+them to the model: `LlamaForCausalLM.use_row_ops`); `DecodeLayer` and `DecodeStep`
+(csrc/decode_layer.c) run a whole decoder layer of a small decode step in one call on them.
 The sources are built with the system C compiler (``cc -O3 -march=native -fopenmp``) into a
 per-user cache keyed by the sources, the compiler, the flags and the CPU's flags, and loaded
 with ctypes (no torch headers: the build takes about a second). OpenMP resolves to the
@@ -438,6 +439,9 @@ class DecodeLayer:
     def __init__(self, input_norm: torch.Tensor, post_norm: torch.Tensor, eps: float, qkv: Int4Weight,
                  o: Int4Weight, gate_up: Int4Weight, down: Int4Weight, *, heads: int, kv_heads: int,
                  head_dim: int) -> None:
+        if not (kv_heads > 0 and heads > 0 and head_dim > 0 and input_norm.dim() == 1):
+            raise ValueError(f"DecodeLayer: heads={heads}, kv_heads={kv_heads} and head_dim={head_dim} must be "
+                             f"positive, the norm weights 1-D")
         hidden, inter = input_norm.shape[0], down.k
         want = {"qkv": ((heads + 2 * kv_heads) * head_dim, hidden), "o": (hidden, heads * head_dim),
                 "gate_up": (2 * inter, hidden), "down": (hidden, inter)}
@@ -457,7 +461,7 @@ class DecodeLayer:
         self.dims = (hidden, heads, kv_heads, head_dim, inter)
         self._layer = _Layer(input_norm.data_ptr(), post_norm.data_ptr(), *(_Int4(*w._weight, w.k) for w in
                              (qkv, o, gate_up, down)), eps)
-        self._keep = (norms, qkv, o, gate_up, down)
+        self._keep = (tuple(w.detach() for w in norms), qkv, o, gate_up, down)  # the storages pointed at
 
 
 _LAYER_ERRORS = {
@@ -465,7 +469,7 @@ _LAYER_ERRORS = {
     3: "slot {v} of token {i} is outside the pool of {size}",
     4: "token {i} names row {v} of req_to_token or a length outside its bounds",
     5: "token {i}'s request has a slot outside the pool of {size}",
-    6: "the 4-bit kernel refused (no kernel in this build)",
+    6: "the 4-bit kernel refused a projection (no kernel in this build, or its K)",
 }
 
 
@@ -485,12 +489,15 @@ class DecodeStep:
         assert self._lib is not None, "DecodeStep made where available() is False"
         tokens = positions.shape[0] if positions.dim() == 1 else -1
         ints = (positions, loc, rows, lens)
+        if len(dims) != 5:
+            raise ValueError(f"DecodeStep: dims (hidden, heads, kv_heads, head_dim, inter), got {dims}")
         if not (all(v.dtype == torch.int64 and v.shape == (tokens,) and v.is_contiguous() for v in ints)
                 and req_to_token.dtype == torch.int32 and req_to_token.dim() == 2 and req_to_token.is_contiguous()
-                and cos.dtype == sin.dtype == torch.float32 and cos.shape == sin.shape
-                and cos.is_contiguous() and sin.is_contiguous() and cos.shape[1] * 2 == dims[3]):
+                and cos.dtype == sin.dtype == torch.float32 and cos.shape == sin.shape and cos.dim() == 2
+                and cos.is_contiguous() and sin.is_contiguous() and cos.shape[1] * 2 == dims[3]
+                and all(t.device.type == "cpu" for t in (*ints, req_to_token, cos, sin))):
             raise ValueError("DecodeStep: int64 positions, loc, rows and lens [T], int32 req_to_token "
-                             "[rows, stride], float32 cos/sin [P, head_dim/2], all contiguous")
+                             "[rows, stride], float32 cos/sin [P, head_dim/2], all contiguous CPU tensors")
         hidden, heads, kv_heads, head_dim, inter = dims
         self.dims = dims
         self._step = _Step(tokens, hidden, heads, kv_heads, head_dim, inter, positions.data_ptr(), cos.data_ptr(),
@@ -510,9 +517,9 @@ class DecodeStep:
         if not (layer.dims == self.dims and x.dtype == layer.dtype and x.is_contiguous()
                 and x.shape == (self._step.tokens, hidden) and x.device.type == "cpu"
                 and all(c.dtype == x.dtype and c.is_contiguous() and c.shape == (size, kv_heads, head_dim)
-                        for c in (k_cache, v_cache))):
+                        and c.device.type == "cpu" for c in (k_cache, v_cache))):
             raise ValueError(f"DecodeStep.run: x [{self._step.tokens}, {hidden}] and caches "
-                             f"[{size}, {kv_heads}, {head_dim}] contiguous in the layer's {layer.dtype}")
+                             f"[{size}, {kv_heads}, {head_dim}] contiguous on the CPU in the layer's {layer.dtype}")
         with _traced("kvserve::decode_layer"):
             rc = self._lib.kvs_decode_layer(x.data_ptr(), x.dtype == torch.bfloat16, ctypes.byref(layer._layer),
                                             ctypes.byref(self._step), k_cache.data_ptr(), v_cache.data_ptr(),

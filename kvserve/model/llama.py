@@ -3,9 +3,11 @@
 Tokens of all requests are concatenated (no padding); each carries its absolute position.
 Attention is delegated: `forward` hands each layer's q/k/v to a `kvserve.kernels` backend
 with the memsvc-mapped KV buffers; `forward_tokens` takes any `attend` callable (the
-static benchmark loop uses a dense cache). This module knows nothing about slots,
-requests, scheduling or sampling, and nothing about file formats: `weights.py` fills the
-parameters through `weight_slots()`.
+static benchmark loop uses a dense cache). A small decode step may instead run each layer
+in one call of the row ops (`DecodeStep`), given the step's slots and rows as the backend
+hands them over (`backend.native_decode`): this module passes them through, and knows
+nothing else about slots, nor about requests, scheduling or sampling, and nothing about
+file formats: `weights.py` fills the parameters through `weight_slots()`.
 """
 
 from __future__ import annotations
@@ -146,7 +148,7 @@ class DecoderLayer(nn.Module):
         of its quantized weight for large batches; frees the float weights."""
         for name in PROJECTIONS:
             weight = getattr(self, f"{name}_weight")
-            lin = quantize(mode, weight, getattr(self, f"{name}_bias"), dense=True)
+            lin = quantize(mode, weight, getattr(self, f"{name}_bias"), dense=True, groups=True)
             setattr(self, name, lin)
             if mode != "none" or getattr(lin, "packed", None) is not None:
                 weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
@@ -220,30 +222,37 @@ class LlamaForCausalLM(nn.Module):
         (the runner passes `kvserve.kernels.native`; this package imports no kernels). None:
         torch's ops. The int4 projections take `ops.Int4Weight` where the ops have one and
         `ops.int4_available()` (`quant.Int4Linear.use_ops`: a choice made once), the int8
-        head `ops.Int8Weight` where `ops.int8_available()` (`quant.Int8Linear.use_ops`), with
-        its own switch to the dense copy."""
+        projections and head `ops.Int8Weight` where `ops.int8_available()`
+        (`quant.Int8Linear.use_ops`), the head with its own switch to the dense copy."""
         self.row_ops = ops
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.row_ops = ops
         if isinstance(self.head, Int8Linear) and self.head.kernel is None:
             self.head.use_ops(ops if hasattr(ops, "Int8Weight") else None)
-            if self.head.kernel is not None:
+            if self.head.kernel is not None:  # the head's own switch, not the projections'
                 self.head.dense_rows = HEAD_DENSE_ROWS if self.head.dense_packed else NATIVE_HEAD_FLOAT_DENSE_ROWS
         int4 = ops if hasattr(ops, "Int4Weight") else None
+        int8 = ops if hasattr(ops, "Int8Weight") else None
         for layer in self.layers:
             for name in PROJECTIONS:
                 lin = getattr(layer, name)
                 if isinstance(lin, Int4Linear):
                     lin.use_ops(int4)
+                elif isinstance(lin, Int8Linear):
+                    lin.use_ops(int8)
             layer.fused = None
             lins = [getattr(layer, name) for name in PROJECTIONS]
             if int4 is not None and hasattr(ops, "DecodeLayer") and all(
                     isinstance(lin, Int4Linear) and lin.kernel is not None and lin.bias is None for lin in lins):
                 cfg = self.config
-                layer.fused = ops.DecodeLayer(
-                    layer.input_norm.weight, layer.post_norm.weight, cfg.rms_norm_eps, *(lin.kernel for lin in lins),
-                    heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
+                try:
+                    layer.fused = ops.DecodeLayer(
+                        layer.input_norm.weight, layer.post_norm.weight, cfg.rms_norm_eps,
+                        *(lin.kernel for lin in lins), heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
+                        head_dim=cfg.head_dim)
+                except ValueError:  # a dtype or head shape the one-call layer does not take
+                    layer.fused = None
         fused = all(layer.fused is not None for layer in self.layers)
         self.fused_rows = min(getattr(layer, name).dense_rows for layer in self.layers for name in PROJECTIONS) \
             if fused and self.layers else 0
@@ -271,7 +280,8 @@ class LlamaForCausalLM(nn.Module):
         tokens = input_ids.shape[0]
         if not 0 < tokens <= self.fused_rows or k_buffer.dtype != self.dtype:
             return None
-        attention = backend.native_decode(meta)
+        native_decode = getattr(backend, "native_decode", None)  # the kernels' backends have it
+        attention = native_decode(meta) if native_decode is not None else None
         if attention is None:
             return None
         req_to_token, rows, lens = attention
@@ -350,7 +360,8 @@ class LlamaForCausalLM(nn.Module):
         """Forward over memsvc KV buffers [n_layers, size, Hkv, D] with a kernels backend.
 
         `meta` is a `kvserve.kernels.StepMetadata` (its `positions` are the absolute positions of
-        `input_ids`); each layer's new k/v are stored at `meta.out_cache_loc` by the backend.
+        `input_ids`); each layer's new k/v are stored at `meta.out_cache_loc` by the backend, or
+        by the one-call layer (`_fused_step`) that takes a small decode step.
         `fence`, when given, is called with the layer index right before each layer's store and
         raises to stop the forward (the runner's lease check). Returns float32 logits [B, vocab] for `logits_indices`.
         """

@@ -18,10 +18,11 @@ hands it to `Int4Linear.use_ops`), int4 projections multiply through it instead:
 codes with the file's float16 scale and minimum (`int4_blocks` lays them out), on
 activations quantized to int8 per group of 32 as llama.cpp's Q4_1 dots do, integer dot
 products instead of torch's per-weight float conversion. The dense copies stay the grid of
-torch's kernel (bfloat16 scale and zero point). The output head likewise where they have an
-8-bit one (`Int8Linear.use_ops`): it also keeps its weight in groups of 32 with a float16
-scale each (`int8_groups`: GGUF Q8_0's blocks, finer than torch's one scale per row), and
-once the native kernel multiplies by those its dense copy holds their values.
+torch's kernel (bfloat16 scale and zero point). The int8 projections and the output head
+likewise where they have an 8-bit one (`Int8Linear.use_ops`): each also keeps its weight in
+groups of 32 with a float16 scale each (`int8_groups`: GGUF Q8_0's blocks, so a Q8_0 file's
+own codes, finer than torch's one scale per row), and once the native kernel multiplies by
+those its dense copy holds their values.
 
 `auto` (the default) follows the file: on CPU, a GGUF whose projections are mostly 4-bit
 (Q4_0, Q4_1, Q4_K, IQ4) runs int4, mostly 5 to 8-bit (Q5_*, Q6_K, Q8_0) int8, and float
@@ -66,6 +67,17 @@ bf16, so float32): the native kernel wins much further. The default model's four
 projections of 30 layers, native int4 (AVX2 build) vs float32 dense, warm (2026-12-06, AMD
 EPYC Zen 2, AVX2 only, 2 cores, ms) at 8 / 16 / 32 / 64 / 128 rows: 19.8 vs 74.7, 35.6 vs
 88.5, 68.9 vs 114.6, 135.2 vs 174.0, 269.8 vs 293.2."""
+NATIVE_INT8_DENSE_ROWS = DENSE_ROWS
+"""The switch for int8 projections on the native 8-bit kernel (`Int8Linear.use_ops`) where
+the dense copy is packed for oneDNN: torch's int8 kernel's value, not measured for the native
+one (no CPU with native bf16 at hand when it came)."""
+NATIVE_INT8_FLOAT_DENSE_ROWS = 128
+"""The same where the dense copy is a plain float GEMM (no native bf16: float32): the default
+model's four projections of 30 layers, native int8 vs torch's int8 kernel vs float32 dense,
+weights from memory (`bench/int8_head.py --projections --dense`, median of 5, 2026-12-06,
+AMD EPYC Zen 2, AVX2 only, 2 cores, ms) at 1 / 8 / 16 / 32 / 64 / 128 rows: 6.7 / 12.7 /
+37.3, 17.3 / 27.5 / 56.4, 33.0 / 47.8 / 71.2, 63.3 / 88.7 / 96.7, 130.5 / 177.2 / 155.2,
+262.1 / 346.3 / 267.6 (even at 128)."""
 GROUP = 32
 _INNER_K_TILES = 2  # the CPU packing's K tiling (K must be a multiple of 16 × this)
 ACT = torch.bfloat16  # the kernels' activation dtype
@@ -116,10 +128,12 @@ class Linear:
 
 
 class _WeightOnly:
-    """A weight-only kernel's y = x @ W.T (+ b): `x` in any float dtype and batch shape,
-    computed on bfloat16 activations, `y` in `x`'s dtype. With a `dense` copy of the
+    """A weight-only kernel's y = x @ W.T (+ b): `x` in any float dtype and batch shape, `y`
+    in `x`'s dtype; torch's kernels compute on bfloat16 activations, a native one (`kernel`,
+    from `use_ops`) takes float32 or bfloat16 as they are. With a `dense` copy of the
     quantized weight (the values the kernel computes with, in the model dtype), batches of
-    more than `DENSE_ROWS` rows take the float GEMM instead."""
+    more than `dense_rows` rows (`DENSE_ROWS` unless a native kernel or the model set
+    another) take the float GEMM instead."""
 
     bias: torch.Tensor | None
     dense: Linear | None = None
@@ -179,12 +193,13 @@ class Int8Linear(_WeightOnly):
         """Multiply through `ops.Int8Weight(q, d)` (a callable: bf16 or fp32 x [M, K] -> [M, N])
         where `ops.int8_available()` holds: free torch's per-row copy and make the dense copy
         the groups' values (what the kernel computes with). Otherwise drop the groups and keep
-        torch's kernel. Once chosen, the choice stays (either copy is freed). The caller sets
-        `dense_rows` for the kernel it got."""
+        torch's kernel. Once chosen, the choice stays (either copy is freed). `dense_rows`
+        becomes the native kernel's (the projections'; the head sets its own)."""
         if self.kernel is not None or self.groups is None:
             return
         if ops is not None and ops.int8_available():
             self.kernel = ops.Int8Weight(*self.groups)
+            self.dense_rows = NATIVE_INT8_DENSE_ROWS if self.dense_packed else NATIVE_INT8_FLOAT_DENSE_ROWS
             self.qweight, self.scales = torch.empty(0, dtype=torch.int8), torch.empty(0, dtype=ACT)
             if self.dense is not None:
                 dense = self.dense.packed if self.dense_packed else self.dense.weight

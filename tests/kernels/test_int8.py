@@ -14,7 +14,13 @@ import pytest
 import torch
 
 from kvserve.kernels import native
-from kvserve.model.quant import GROUP, Int8Linear, int8_dequantized, int8_groups
+from kvserve.model.quant import (
+    GROUP,
+    NATIVE_INT8_FLOAT_DENSE_ROWS,
+    Int8Linear,
+    int8_dequantized,
+    int8_groups,
+)
 from tests.kernels.weightonly import check_exact_sums, check_within_rounding, kernel_build
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
@@ -126,11 +132,12 @@ def test_the_head_takes_any_float_dtype_and_batch_shape_and_its_dense_copy_is_th
     w = torch.randn(48, 128, generator=torch.Generator().manual_seed(5))
     head = Int8Linear(w, None, groups=True)
     head.set_dense(head.dequantized())  # torch's per-row grid, as quant.quantize keeps it
-    head.dense_rows = 4
     assert Int8Linear(w, None).groups is None and Int8Linear(w[:, :112], None, groups=True).groups is None
     head.use_ops(native)
     if head.kernel is None:
         pytest.skip("this CPU's build has no 8-bit kernel")
+    assert head.dense_rows == NATIVE_INT8_FLOAT_DENSE_ROWS  # the projections' switch, until the model sets the head's
+    head.dense_rows = 4
     assert isinstance(head.kernel, native.Int8Weight) and head.qweight.numel() == 0  # torch's copy freed
     grid = int8_dequantized(*head.groups)
     assert torch.equal(head.dequantized(), grid)
@@ -180,3 +187,38 @@ def test_a_model_through_the_native_int8_head_keeps_its_logits(tmp_path, dtype) 
     assert torch.equal(head(many), head.dense(many))
     model.use_row_ops(native)  # again (the choice stays)
     assert head.kernel is not None and head.dense_rows == want_rows
+
+
+def test_an_int8_models_projections_take_the_native_kernel_and_keep_their_logits(tmp_path) -> None:
+    """use_row_ops(native) on an int8 model (a Q8_0 file's `auto`): every projection takes the
+    native kernel (torch's per-row copy freed, the projections' switch to the dense copy), the
+    layers keep their separate calls (the one-call layer takes int4 only), and the logits stay
+    those of torch's int8 kernels up to the 8-bit activations and the finer scales."""
+    from kvserve.model.llama import PROJECTIONS
+    from kvserve.model.weights import load_model
+    from tests.model.tinymodel import write_tiny_model
+
+    path = write_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128)
+    model = load_model(str(path), dtype=torch.float32, quantization="int8").model
+    ids = torch.arange(3, 9)  # 6 tokens: under the dense copy's rows, so the kernels run
+
+    def attend(_, q, k, v):
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return o.transpose(0, 1)
+
+    run = lambda: model.forward_tokens(ids, torch.arange(len(ids)), attend, torch.arange(len(ids)))  # noqa: E731
+    plain = run()
+    if not native.int8_available():
+        pytest.skip("this CPU's build has no 8-bit kernel")
+    model.use_row_ops(native)
+    lins = [getattr(layer, name) for layer in model.layers for name in PROJECTIONS]
+    assert all(isinstance(lin, Int8Linear) and isinstance(lin.kernel, native.Int8Weight)
+               and lin.qweight.numel() == 0 and lin.dense_rows == NATIVE_INT8_FLOAT_DENSE_ROWS for lin in lins)
+    assert model.fused_rows == 0 and all(layer.fused is None for layer in model.layers)
+    fast = run()
+    assert not torch.equal(fast, plain)  # another kernel: 8-bit activations, groups of 32
+    assert ((fast - plain).norm() / plain.norm()).item() < 0.05
+    top2 = plain.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * (fast - plain).abs().max()
+    assert clear.any() and torch.equal(fast.argmax(-1)[clear], plain.argmax(-1)[clear])

@@ -45,9 +45,11 @@ class PagedKV:
         rows: list[int],
         prefix_lens: list[int],
         all_logits: bool = False,
+        fence: Any = None,
     ) -> torch.Tensor:
         """Run `chunks[b]` (new tokens of request b at row rows[b], after prefix_lens[b]
-        cached tokens); float32 logits of each request's last token, or of every token."""
+        cached tokens); float32 logits of each request's last token, or of every token.
+        `fence`: the model's per-layer lease check (called with the layer index)."""
         from kvserve.kernels import build_step_metadata
 
         meta = build_step_metadata(
@@ -72,6 +74,7 @@ class PagedKV:
             v_buffer=self.v_buffer,
             backend=backend,
             logits_indices=idx,
+            fence=fence,
         )
 
 

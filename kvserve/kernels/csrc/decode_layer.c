@@ -4,7 +4,7 @@
  * operations each, and the Python between them (a torch op or a ctypes call per operation,
  * each a few microseconds) cost as much as the 4-bit products.  This file runs a whole
  * layer from C on the kernels the separate calls use, in the same order, so the numbers
- * are theirs:
+ * are theirs (but for the SiLU, whose exp may differ from torch's in the last place):
  *
  *   n = rms_norm(x)            -> qkv = n @ Wqkv.T (int4_mm)
  *   q, k = rotary(qkv)         -> k, v stored at the tokens' slots (store_rows)
@@ -24,7 +24,8 @@
  *   KVS_LAYER_SLOT         a slot outside the pool for the store (token *err; nothing stored)
  *   KVS_LAYER_ROW          a row of req_to_token or a length outside its bounds (row *err)
  *   KVS_LAYER_POOL         req_to_token names a slot outside the pool (row *err)
- *   KVS_LAYER_INT4         the 4-bit kernel refused (no kernel in this build, or K)
+ *   KVS_LAYER_INT4         the 4-bit kernel refused (no kernel in this build, or a K it
+ *                          does not take; its running out of memory is NO_SCRATCH)
  * Plain C, built with the other kernels (kvserve/kernels/native.py).
  */
 #include <math.h>
@@ -130,7 +131,8 @@ static void silu_mul(const void *gu, void *out, int64_t rows, int64_t inter, int
 }
 
 static inline int mm(const kvs_int4_weight *w, const void *x, int64_t rows, void *y, int bf16) {
-    return kvs_int4_mm(x, bf16, w->k, rows, w->k, w->nib, w->d, w->m, w->n, y, bf16) ? KVS_LAYER_INT4 : 0;
+    const int rc = kvs_int4_mm(x, bf16, w->k, rows, w->k, w->nib, w->d, w->m, w->n, y, bf16);
+    return rc == -2 ? KVS_LAYER_NO_SCRATCH : rc ? KVS_LAYER_INT4 : 0;
 }
 
 int kvs_decode_layer(void *x, int bf16, const kvs_layer *w, const kvs_step *s, void *k_cache,
