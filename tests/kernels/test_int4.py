@@ -15,7 +15,7 @@ import torch
 from kvserve.kernels import native
 from kvserve.model.llama import PROJECTIONS
 from kvserve.model.quant import GROUP, Int4Linear, int4_blocks, int4_groups
-from tests.kernels.weightonly import check_exact_sums, check_within_rounding, kernel_build
+from tests.kernels import weightonly
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compile
 @pytest.fixture(scope="module", params=["native", "avx2"])
 def lib(request):
     """This CPU's build and the AVX2 one, each skipped where it has no 4-bit kernel."""
-    return kernel_build(request.param, "kvs_int4_available")
+    return weightonly.kernel_build(request.param, "kvs_int4_available")
 
 
 def weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, tuple, torch.Tensor]:
@@ -68,13 +68,13 @@ def test_blocks_hold_every_code(k: int) -> None:
 @pytest.mark.parametrize(("n", "k"), [(40, 64), (33, 512), (96, 576), (17, 1536)])
 def test_computes_the_sum_of_its_quantized_operands(lib, dtype, n, k) -> None:
     _, blocks, grid = weight(n, k, n + k)
-    check_exact_sums(lambda x: native.int4_mm(x, *blocks, lib=lib), grid, dtype)
+    weightonly.check_exact_sums(lambda x: native.int4_mm(x, *blocks, lib=lib), grid, dtype)
 
 
 def test_stays_within_the_activations_rounding_of_the_float_product(lib) -> None:
     n, k = 64, 1536
     _, blocks, grid = weight(n, k, 7)
-    check_within_rounding(lambda x: native.int4_mm(x, *blocks, lib=lib), grid)
+    weightonly.check_within_rounding(lambda x: native.int4_mm(x, *blocks, lib=lib), grid)
 
 
 def test_the_projection_takes_any_float_dtype_and_batch_shape() -> None:
@@ -137,33 +137,15 @@ def test_a_model_through_the_native_int4_keeps_its_logits(tmp_path) -> None:
     """use_row_ops(native) on an int4 model: every projection takes the native kernel (torch's
     packed copies freed), and its logits stay those of torch's int4 kernel up to the 8-bit
     activations."""
-    from kvserve.model.weights import load_model
-    from tests.model.tinymodel import write_tiny_model
-
-    path = write_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128)
-    model = load_model(str(path), dtype=torch.bfloat16, quantization="int4").model
-    ids = torch.arange(3, 9)  # 6 tokens: under the dense copy's rows, so the kernels run
-
-    def attend(_, q, k, v):
-        q, k, v = (t.transpose(0, 1) for t in (q, k, v))
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return o.transpose(0, 1)
-
-    run = lambda: model.forward_tokens(ids, torch.arange(len(ids)), attend, torch.arange(len(ids)))  # noqa: E731
-    plain = run()
+    model = weightonly.tiny_model(tmp_path, torch.bfloat16, "int4")
+    plain = weightonly.six_token_logits(model)
     if not native.int4_available():
         pytest.skip("this CPU's build has no 4-bit kernel")
     model.use_row_ops(native)
     lins = [getattr(layer, name) for layer in model.layers for name in PROJECTIONS]
     assert all(isinstance(lin, Int4Linear) and isinstance(lin.kernel, native.Int4Weight) and lin.packed is None
                for lin in lins)
-    fast = run()
-    assert not torch.equal(fast, plain)  # another kernel: 8-bit activations
-    assert ((fast - plain).norm() / plain.norm()).item() < 0.05
-    # where torch's top logit leads by more than twice the largest change, the top token stays
-    top2 = plain.topk(2, dim=-1).values
-    clear = (top2[:, 0] - top2[:, 1]) > 2 * (fast - plain).abs().max()
-    assert clear.any() and torch.equal(fast.argmax(-1)[clear], plain.argmax(-1)[clear])
+    weightonly.check_close_logits(weightonly.six_token_logits(model), plain, 0.05)  # another kernel: 8-bit activations
 
 
 def test_a_float32_model_keeps_the_kernels_to_their_float_dense_rows(tmp_path) -> None:

@@ -21,7 +21,7 @@ from kvserve.model.quant import (
     int8_dequantized,
     int8_groups,
 )
-from tests.kernels.weightonly import check_exact_sums, check_within_rounding, kernel_build
+from tests.kernels import weightonly
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compile
 @pytest.fixture(scope="module", params=["native", "avx2"])
 def lib(request):
     """This CPU's build and the AVX2 one, each skipped where it has no 8-bit kernel."""
-    return kernel_build(request.param, "kvs_int8_available")
+    return weightonly.kernel_build(request.param, "kvs_int8_available")
 
 
 def weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -72,7 +72,7 @@ def test_groups_round_each_weight_to_its_groups_nearest_step() -> None:
 @pytest.mark.parametrize(("n", "k"), [(40, 32), (33, 96), (96, 576), (17, 544), (9, 1536)])
 def test_computes_the_sum_of_its_quantized_operands(lib, dtype, n, k) -> None:
     q, d, grid = weight(n, k, n + k)
-    check_exact_sums(lambda x: native.int8_mm(x, q, d, lib=lib), grid, dtype)
+    weightonly.check_exact_sums(lambda x: native.int8_mm(x, q, d, lib=lib), grid, dtype)
 
 
 def test_stays_within_the_activations_rounding_of_the_float_product(lib) -> None:
@@ -80,7 +80,7 @@ def test_stays_within_the_activations_rounding_of_the_float_product(lib) -> None
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(7)) * 0.05
     q, d = int8_groups(w)
     grid = int8_dequantized(q, d).double()
-    check_within_rounding(lambda x: native.int8_mm(x, q, d, lib=lib), grid)
+    weightonly.check_within_rounding(lambda x: native.int8_mm(x, q, d, lib=lib), grid)
 
 
 def test_refuses_what_it_cannot_take(lib) -> None:
@@ -195,20 +195,9 @@ def test_an_int8_models_projections_take_the_native_kernel_and_keep_their_logits
     layers keep their separate calls (the one-call layer takes int4 only), and the logits stay
     those of torch's int8 kernels up to the 8-bit activations and the finer scales."""
     from kvserve.model.llama import PROJECTIONS
-    from kvserve.model.weights import load_model
-    from tests.model.tinymodel import write_tiny_model
 
-    path = write_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128)
-    model = load_model(str(path), dtype=torch.float32, quantization="int8").model
-    ids = torch.arange(3, 9)  # 6 tokens: under the dense copy's rows, so the kernels run
-
-    def attend(_, q, k, v):
-        q, k, v = (t.transpose(0, 1) for t in (q, k, v))
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return o.transpose(0, 1)
-
-    run = lambda: model.forward_tokens(ids, torch.arange(len(ids)), attend, torch.arange(len(ids)))  # noqa: E731
-    plain = run()
+    model = weightonly.tiny_model(tmp_path, torch.float32, "int8")
+    plain = weightonly.six_token_logits(model)
     if not native.int8_available():
         pytest.skip("this CPU's build has no 8-bit kernel")
     model.use_row_ops(native)
@@ -216,9 +205,4 @@ def test_an_int8_models_projections_take_the_native_kernel_and_keep_their_logits
     assert all(isinstance(lin, Int8Linear) and isinstance(lin.kernel, native.Int8Weight)
                and lin.qweight.numel() == 0 and lin.dense_rows == NATIVE_INT8_FLOAT_DENSE_ROWS for lin in lins)
     assert model.fused_rows == 0 and all(layer.fused is None for layer in model.layers)
-    fast = run()
-    assert not torch.equal(fast, plain)  # another kernel: 8-bit activations, groups of 32
-    assert ((fast - plain).norm() / plain.norm()).item() < 0.05
-    top2 = plain.topk(2, dim=-1).values
-    clear = (top2[:, 0] - top2[:, 1]) > 2 * (fast - plain).abs().max()
-    assert clear.any() and torch.equal(fast.argmax(-1)[clear], plain.argmax(-1)[clear])
+    weightonly.check_close_logits(weightonly.six_token_logits(model), plain, 0.05)

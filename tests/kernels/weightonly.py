@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -75,3 +77,35 @@ def check_within_rounding(mm: Callable[[torch.Tensor], torch.Tensor], grid: torc
     err = (y - exact).abs()
     assert (err <= bound * 1.001 + 1e-6).all(), (err / bound).max()
     assert err.max() > 0  # the activations are quantized
+
+
+def tiny_model(tmp_path: Path, dtype: torch.dtype, quantization: str) -> Any:
+    """The tiny random model (hidden 64, MLP 128: K multiples of 64) loaded in `quantization`."""
+    from kvserve.model.weights import load_model
+    from tests.model.tinymodel import write_tiny_model
+
+    path = write_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128)
+    return load_model(str(path), dtype=dtype, quantization=quantization).model
+
+
+def six_token_logits(model: Any) -> torch.Tensor:
+    """The logits of every position of 6 tokens (under every dense copy's rows, so the
+    kernels run), attention by plain causal SDPA."""
+    ids = torch.arange(3, 9)
+
+    def attend(_: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return o.transpose(0, 1)
+
+    return model.forward_tokens(ids, torch.arange(len(ids)), attend, torch.arange(len(ids)))
+
+
+def check_close_logits(fast: torch.Tensor, plain: torch.Tensor, rel: float) -> None:
+    """`fast` (another kernel's logits) differs from `plain`, within `rel` of its norm, and
+    where plain's top logit leads by more than twice the largest change the top token stays."""
+    assert not torch.equal(fast, plain)
+    assert ((fast - plain).norm() / plain.norm()).item() < rel
+    top2 = plain.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * (fast - plain).abs().max()
+    assert clear.any() and torch.equal(fast.argmax(-1)[clear], plain.argmax(-1)[clear])
