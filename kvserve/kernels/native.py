@@ -315,12 +315,34 @@ def int4_mm(x: torch.Tensor, nib: torch.Tensor, d: torch.Tensor, m: torch.Tensor
     return Int4Weight(nib, d, m, lib)(x)
 
 
-class Int4Weight:
+class _NativeWeight:
+    """A weight checked once for one of the weight-only kernels (`int4_mm`, `int8_mm`: the same
+    C signature after the weight's own pointers); calling it with x [M, K] multiplies."""
+
+    __slots__ = ("n", "k", "_fn", "_weight", "_keep")
+    _name = ""  # the kernel's, for the errors and the profiler
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not (x.dim() == 2 and x.shape[1] == self.k and x.dtype in _SUFFIX and x.stride(1) == 1
+                and x.device.type == "cpu"):
+            raise ValueError(f"{self._name}: x [M, {self.k}] bf16 or fp32 with contiguous rows, got x "
+                             f"{tuple(x.shape)} {x.dtype} strides {x.stride()}")
+        y = x.new_empty(x.shape[0], self.n)
+        bf16 = x.dtype == torch.bfloat16
+        with _traced(f"kvserve::{self._name}"):
+            rc = self._fn(x.data_ptr(), bf16, x.stride(0), x.shape[0], self.k, *self._weight, y.data_ptr(), bf16)
+        if rc:
+            raise MemoryError(f"{self._name}: no scratch for {x.shape[0]} rows of {self.k}")
+        return y
+
+
+class Int4Weight(_NativeWeight):
     """A 4-bit weight checked once for `int4_mm`; calling it with x [M, K] multiplies (a
     decode step makes one call per projection and layer: 4 per layer, each a few
     microseconds of kernel, so the per-call Python is kept to a few checks of x)."""
 
-    __slots__ = ("n", "k", "_fn", "_weight", "_keep")
+    __slots__ = ()
+    _name = "int4_mm"
 
     def __init__(self, nib: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
                  lib: ctypes.CDLL | None = None) -> None:
@@ -341,19 +363,6 @@ class Int4Weight:
         self._weight = (nib.data_ptr(), d.data_ptr(), m.data_ptr(), n)
         self._keep = (nib, d, m)  # the pointers' owners
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if not (x.dim() == 2 and x.shape[1] == self.k and x.dtype in _SUFFIX and x.stride(1) == 1
-                and x.device.type == "cpu"):
-            raise ValueError(f"int4_mm: x [M, {self.k}] bf16 or fp32 with contiguous rows, got x "
-                             f"{tuple(x.shape)} {x.dtype} strides {x.stride()}")
-        y = x.new_empty(x.shape[0], self.n)
-        bf16 = x.dtype == torch.bfloat16
-        with _traced("kvserve::int4_mm"):
-            rc = self._fn(x.data_ptr(), bf16, x.stride(0), x.shape[0], self.k, *self._weight, y.data_ptr(), bf16)
-        if rc:
-            raise MemoryError(f"int4_mm: no scratch for {x.shape[0]} rows of {self.k}")
-        return y
-
 
 def int8_available() -> bool:
     """Whether `int8_mm` runs here (the build targets AVX-512 BW, VL and VNNI, or AVX2)."""
@@ -371,11 +380,12 @@ def int8_mm(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, lib: ctypes.CDLL 
     return Int8Weight(q, d, lib)(x)
 
 
-class Int8Weight:
+class Int8Weight(_NativeWeight):
     """An 8-bit weight in groups of 32 checked once for `int8_mm`; calling it with x [M, K]
     multiplies (the output head: one call per decode step)."""
 
-    __slots__ = ("n", "k", "_fn", "_weight", "_keep")
+    __slots__ = ()
+    _name = "int8_mm"
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor, lib: ctypes.CDLL | None = None) -> None:
         lib = lib or _load()
@@ -393,19 +403,6 @@ class Int8Weight:
         self._weight = (q.data_ptr(), d.data_ptr(), n)
         self._keep = (q, d)  # the pointers' owners
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if not (x.dim() == 2 and x.shape[1] == self.k and x.dtype in _SUFFIX and x.stride(1) == 1
-                and x.device.type == "cpu"):
-            raise ValueError(f"int8_mm: x [M, {self.k}] bf16 or fp32 with contiguous rows, got x "
-                             f"{tuple(x.shape)} {x.dtype} strides {x.stride()}")
-        y = x.new_empty(x.shape[0], self.n)
-        bf16 = x.dtype == torch.bfloat16
-        with _traced("kvserve::int8_mm"):
-            rc = self._fn(x.data_ptr(), bf16, x.stride(0), x.shape[0], self.k, *self._weight, y.data_ptr(), bf16)
-        if rc:
-            raise MemoryError(f"int8_mm: no scratch for {x.shape[0]} rows of {self.k}")
-        return y
-
 
 class _Int4(ctypes.Structure):
     _fields_ = [("nib", _P), ("d", _P), ("m", _P), ("n", _I64), ("k", _I64)]
@@ -421,11 +418,6 @@ class _Step(ctypes.Structure):
                 ("inter", _I64), ("positions", _P), ("cos", _P), ("sin", _P), ("table_rows", _I64),
                 ("loc", _P), ("req_to_token", _P), ("r2t_rows", _I64), ("r2t_stride", _I64), ("rows", _P),
                 ("lens", _P), ("pool_size", _I64), ("sm_scale", ctypes.c_float)]
-
-
-def decode_layers_available() -> bool:
-    """Whether `DecodeLayer` runs here (it multiplies with the 4-bit kernel)."""
-    return int4_available()
 
 
 class DecodeLayer:
