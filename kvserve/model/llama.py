@@ -213,7 +213,7 @@ class LlamaForCausalLM(nn.Module):
         self.head = Linear(self.lm_head, None)
         self.quantization = "none"
         self.row_ops: Any = None
-        self.fused_rows = 0  # decode steps of up to this many rows run each layer in one native call
+        self.fused_rows: float = 0  # decode steps of up to this many rows run each layer in one native call
 
     def use_row_ops(self, ops: Any) -> None:
         """Run the RMS norms and the rotary embedding through `ops` where `ops.rowwise(x)`
@@ -254,7 +254,7 @@ class LlamaForCausalLM(nn.Module):
                 except ValueError:  # a dtype or head shape the one-call layer does not take
                     layer.fused = None
         fused = all(layer.fused is not None for layer in self.layers)
-        self.fused_rows = min(getattr(layer, name).dense_rows for layer in self.layers for name in PROJECTIONS) \
+        self.fused_rows = min(getattr(layer, name).kernel_rows for layer in self.layers for name in PROJECTIONS) \
             if fused and self.layers else 0
 
     def quantize(self, mode: str) -> None:

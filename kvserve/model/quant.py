@@ -39,6 +39,7 @@ weights). Knows torch; nothing about files, slots or scheduling.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -61,12 +62,15 @@ with rows: whole decode steps of the default model, int4 native vs the dense cop
 rows (bench/step_profile.py --packed-rows 32 vs 8, two runs each, 2026-12-05, Intel Xeon
 with AMX, ms) at 12 / 16 / 24 / 32 rows: 21.6-27.6 vs 28.2, 24.5-25.7 vs 29.9-30.2,
 34.5-36.7 vs 34.9, 42.6-42.9 vs 38.1-39.5."""
-NATIVE_INT4_FLOAT_DENSE_ROWS = 128
-"""The switch where the dense copy is a plain float GEMM (not packed by `pack`: no native
-bf16, so float32): the native kernel wins much further. The default model's four
-projections of 30 layers, native int4 (AVX2 build) vs float32 dense, warm (2026-12-06, AMD
-EPYC Zen 2, AVX2 only, 2 cores, ms) at 8 / 16 / 32 / 64 / 128 rows: 19.8 vs 74.7, 35.6 vs
-88.5, 68.9 vs 114.6, 135.2 vs 174.0, 269.8 vs 293.2."""
+NATIVE_INT4_FLOAT_DENSE_ROWS: int | None = None
+"""The same switch where the dense copy would be a plain float GEMM (not packed by `pack`: no
+native bf16, so float32): None, no dense copy at all, the native kernel takes every batch and
+the float32 copy (4x the int4 bytes: 424 MB for the default model) is freed. The default
+model's four projections, native int4 (AVX2 build, activation rows in passes of 6 through
+blocks of 32 outputs) vs float32 dense (`bench/int4_kernel.py --dense`, 2026-12-06, AMD EPYC
+Zen 2, AVX2 only, 2 cores, median ms): 30 layers at 1 / 8 / 32 / 128 / 256 rows 5.6 vs 33.9,
+15.5 vs 61.6, 48.1 vs 100.0, 191.4 vs 237.8, 401.2 vs 430.6 (before the passes: 257 at 128
+rows); 6 layers at 512 / 1024 / 2048 rows 138.9 vs 154.2, 281.0 vs 300.2, 566.8 vs 592.3."""
 NATIVE_INT8_DENSE_ROWS = DENSE_ROWS
 """The switch for int8 projections on the native 8-bit kernel (`Int8Linear.use_ops`) where
 the dense copy is packed for oneDNN: torch's int8 kernel's value, not measured for the native
@@ -139,6 +143,12 @@ class _WeightOnly:
     dense: Linear | None = None
     kernel: Any = None  # a native kernel's weight once `use_ops` chose it (bf16 or fp32 x [M, K] -> [M, N])
     dense_rows = DENSE_ROWS  # an attribute: bench/step_profile.py --packed-rows moves it
+
+    @property
+    def kernel_rows(self) -> float:
+        """The most rows a batch has for the kernel to take it: `dense_rows` with a dense copy,
+        any number without one."""
+        return self.dense_rows if self.dense is not None else math.inf
 
     @property
     def dense_packed(self) -> bool:
@@ -299,13 +309,19 @@ class Int4Linear(_WeightOnly):
         """Multiply through `ops.Int4Weight(nib, d, m)` (a callable: bf16 or fp32 x [M, K] ->
         [M, N]) where `ops.int4_available()` holds, and free torch's packed copy; otherwise
         drop the blocks and keep torch's kernel. Once chosen, the choice stays (either copy
-        is freed)."""
+        is freed). A dense copy that is a plain float GEMM is freed too where
+        `NATIVE_INT4_FLOAT_DENSE_ROWS` is None (the kernel is faster at every batch)."""
         if self.kernel is not None or self.blocks is None or self.packed is None:
             return
         if ops is not None and ops.int4_available():
             self.kernel = ops.Int4Weight(*self.blocks)
             self.packed, self.scales_and_zeros = None, torch.empty(0)
-            self.dense_rows = NATIVE_INT4_DENSE_ROWS if self.dense_packed else NATIVE_INT4_FLOAT_DENSE_ROWS
+            if self.dense_packed:
+                self.dense_rows = NATIVE_INT4_DENSE_ROWS
+            elif NATIVE_INT4_FLOAT_DENSE_ROWS is None:
+                self.dense = None  # the kernel takes every batch
+            else:
+                self.dense_rows = NATIVE_INT4_FLOAT_DENSE_ROWS
         else:
             self.blocks = None
 

@@ -57,7 +57,7 @@ def test_a_decode_step_in_one_call_per_layer_gives_the_separate_calls_numbers(tm
                                                                               monkeypatch) -> None:
     model = tiny_int4(tmp_path, dtype, num_heads=64 // head_dim * 2, num_kv_heads=64 // head_dim, head_dim=head_dim)
     assert all(isinstance(layer.fused, native.DecodeLayer) for layer in model.layers)
-    assert model.fused_rows == min(getattr(layer, name).dense_rows for layer in model.layers
+    assert model.fused_rows == min(getattr(layer, name).kernel_rows for layer in model.layers
                                    for name in ("qkv", "o", "gate_up", "down"))
     separate_kv = prefilled(model, dtype)
     separate = decode(model, separate_kv, fused=False)

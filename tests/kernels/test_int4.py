@@ -7,6 +7,7 @@ build with neither has no 4-bit kernel and the model keeps torch's."""
 
 from __future__ import annotations
 
+import math
 import shutil
 
 import pytest
@@ -69,6 +70,24 @@ def test_blocks_hold_every_code(k: int) -> None:
 def test_computes_the_sum_of_its_quantized_operands(lib, dtype, n, k) -> None:
     _, blocks, grid = weight(n, k, n + k)
     weightonly.check_exact_sums(lambda x: native.int4_mm(x, *blocks, lib=lib), grid, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prefill_of_many_rows_is_each_row_alone(lib, dtype) -> None:
+    """520 rows (quantized on several threads, many passes of rows through each block of
+    outputs, a last pass of fewer rows): the exact sums, and every row as it is alone."""
+    n, k = 70, 576
+    _, blocks, grid = weight(n, k, 5)
+    x = (torch.randn(520, k, generator=torch.Generator().manual_seed(520)) * 2).to(dtype)
+    y = native.int4_mm(x, *blocks, lib=lib)
+    want = weightonly.quantized_activations(x).double() @ grid.t()
+    if dtype == torch.float32:
+        assert (y.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    else:
+        assert torch.allclose(y.double(), want, rtol=2**-8, atol=1e-6 * want.abs().max().item())
+    for r in (0, 5, 6, 7, 257, 517, 519):
+        assert torch.equal(native.int4_mm(x[r : r + 1], *blocks, lib=lib)[0], y[r])
+    assert torch.equal(native.int4_mm(x[100:113], *blocks, lib=lib), y[100:113])
 
 
 def test_stays_within_the_activations_rounding_of_the_float_product(lib) -> None:
@@ -148,10 +167,11 @@ def test_a_model_through_the_native_int4_keeps_its_logits(tmp_path) -> None:
     weightonly.check_close_logits(weightonly.six_token_logits(model), plain, 0.05)  # another kernel: 8-bit activations
 
 
-def test_a_float32_model_keeps_the_kernels_to_their_float_dense_rows(tmp_path) -> None:
-    """float32 dense copies are plain GEMMs (`pack` takes bf16 only): the native int4
-    projections keep their kernel to NATIVE_INT4_FLOAT_DENSE_ROWS rows, the int8 head to
-    HEAD_FLOAT_DENSE_ROWS, and each takes its dense copy above."""
+def test_a_float32_model_frees_the_int4_dense_copies_and_keeps_the_heads_to_its_rows(tmp_path) -> None:
+    """float32 dense copies are plain GEMMs (`pack` takes bf16 only): the int8 head keeps its
+    kernel to HEAD_FLOAT_DENSE_ROWS rows and takes its dense copy above; the native int4
+    projections free theirs (NATIVE_INT4_FLOAT_DENSE_ROWS is None: the kernel is faster at
+    every batch) and take a prefill's rows too, as the one-call layer takes any decode step."""
     from kvserve.model.llama import HEAD_FLOAT_DENSE_ROWS
     from kvserve.model.quant import NATIVE_INT4_FLOAT_DENSE_ROWS
     from kvserve.model.weights import load_model
@@ -164,11 +184,13 @@ def test_a_float32_model_keeps_the_kernels_to_their_float_dense_rows(tmp_path) -
     x = torch.randn(HEAD_FLOAT_DENSE_ROWS + 1, 64, generator=torch.Generator().manual_seed(7))
     assert torch.equal(head(x), head.dense(x))
     assert torch.equal(head(x[:-1]), head._mm(x[:-1].to(torch.bfloat16)).float())
+    lin = model.layers[0].gate_up
+    assert lin.dense is not None and lin.dense.packed is None  # until the native kernel is chosen
     if not native.int4_available():
         pytest.skip("this CPU's build has no 4-bit kernel")
     model.use_row_ops(native)
-    lin = model.layers[0].gate_up
-    assert lin.dense.packed is None and lin.dense_rows == NATIVE_INT4_FLOAT_DENSE_ROWS == 128
-    x = torch.randn(NATIVE_INT4_FLOAT_DENSE_ROWS + 1, 64, generator=torch.Generator().manual_seed(8))
-    assert torch.equal(lin(x), lin.dense(x))
-    assert torch.equal(lin(x[:-1]), lin.kernel(x[:-1]))
+    assert NATIVE_INT4_FLOAT_DENSE_ROWS is None
+    assert all(getattr(layer, name).dense is None for layer in model.layers for name in PROJECTIONS)
+    assert lin.kernel_rows == math.inf and model.fused_rows == math.inf
+    x = torch.randn(600, 64, generator=torch.Generator().manual_seed(8))
+    assert torch.equal(lin(x), lin.kernel(x))
