@@ -44,6 +44,7 @@ class LoadedModel:
     eos_token_ids: list[int]
     chat_template: str | None
     name: str
+    quantization: str = "none"  # the mode the projections run in ("auto" resolved)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +81,13 @@ def load_config(spec: str | None) -> ModelConfig:
     if path.is_dir():
         return config_from_hf(_read_json(path / "config.json"), str(path / "config.json"))
     return ggufload.gguf_config(ggufload.open_reader(path), path)
+
+
+def _gguf_reader(path: Path) -> Any:
+    """The GGUF reader of `path` for one load, or None for a HF directory. Opening one parses
+    the whole header (every vocabulary string: about 4 s for the default model on a 2-core
+    CPU), so a load opens it once and hands it to each part that reads the file."""
+    return None if path.is_dir() else ggufload.open_reader(path)
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -136,16 +144,18 @@ def _fill(
 
 
 def load_weights(
-    path: Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    path: Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+    reader: Any = None,
 ) -> LlamaForCausalLM:
-    """Build the model at `path` (a HF directory or a .gguf file) and fill every parameter."""
+    """Build the model at `path` (a HF directory or a .gguf file) and fill every parameter;
+    `reader`: the .gguf file's reader where the caller has it open."""
     device = torch.device(device)
     if path.is_dir():
         config = config_from_hf(_read_json(path / "config.json"), str(path / "config.json"))
         model = LlamaForCausalLM(config, dtype=dtype, device=device)
         _fill(model, _iter_safetensors(path), str(path))
     else:
-        reader = ggufload.open_reader(path)
+        reader = reader if reader is not None else ggufload.open_reader(path)
         config = ggufload.gguf_config(reader, path)
         model = LlamaForCausalLM(config, dtype=dtype, device=device)
         tensors = ((n, t, str(path)) for n, t in ggufload.iter_tensors(reader, config, path))
@@ -158,11 +168,16 @@ def load_model(
     quantization: str = "none",
 ) -> LoadedModel:
     """Load weights and tokenizer of `spec` (None: the embedded default model); `quantization`:
-    weight-only quantization of the projections on CPU (`kvserve.model.quant`)."""
+    weight-only quantization of the projections on CPU (`kvserve.model.quant`), "auto" the
+    mode the file and device call for (`resolve_quantization`; the result's `quantization`
+    says which). A .gguf file's header is parsed once for all of it."""
     path = _resolve(spec)
-    model = load_weights(path, dtype=dtype, device=device)
+    reader = _gguf_reader(path)
+    if quantization == "auto":
+        quantization = _auto_quantization(reader, str(device))
+    model = load_weights(path, dtype=dtype, device=device, reader=reader)
     model.quantize(quantization)
-    bundle = _tokenizer_bundle(path, model.config)
+    bundle = _tokenizer_bundle(path, model.config, reader)
     return LoadedModel(
         model=model,
         config=model.config,
@@ -170,7 +185,12 @@ def load_model(
         eos_token_ids=bundle.eos_token_ids,
         chat_template=bundle.chat_template,
         name=bundle.name,
+        quantization=quantization,
     )
+
+
+def _auto_quantization(reader: Any, device: str) -> str:
+    return auto_mode({} if reader is None else ggufload.projection_types(reader), device)
 
 
 def resolve_quantization(mode: str, spec: str | None, device: str) -> str:
@@ -178,15 +198,15 @@ def resolve_quantization(mode: str, spec: str | None, device: str) -> str:
     (`kvserve.model.quant.auto_mode`)."""
     if mode != "auto":
         return mode
-    path = _resolve(spec)
-    types = {} if path.is_dir() else ggufload.projection_types(ggufload.open_reader(path))
-    return auto_mode(types, device)
+    return _auto_quantization(_gguf_reader(_resolve(spec)), device)
 
 
 def load_tokenizer(spec: str | None) -> TokenizerBundle:
     """Tokenizer, EOS ids, chat template and limits of `spec`, without loading weights."""
     path = _resolve(spec)
-    return _tokenizer_bundle(path, load_config(str(path)))
+    reader = _gguf_reader(path)
+    config = ggufload.gguf_config(reader, path) if reader is not None else load_config(str(path))
+    return _tokenizer_bundle(path, config, reader)
 
 
 def _hf_eos_ids(path: Path, tokenizer: Any) -> list[int]:
@@ -202,7 +222,7 @@ def _hf_eos_ids(path: Path, tokenizer: Any) -> list[int]:
     return out
 
 
-def _tokenizer_bundle(path: Path, config: ModelConfig) -> TokenizerBundle:
+def _tokenizer_bundle(path: Path, config: ModelConfig, reader: Any = None) -> TokenizerBundle:
     if path.is_dir():
         from transformers import AutoTokenizer
 
@@ -215,8 +235,7 @@ def _tokenizer_bundle(path: Path, config: ModelConfig) -> TokenizerBundle:
         eos = _hf_eos_ids(path, tokenizer)
         template = getattr(tokenizer, "chat_template", None)
     else:
-        reader = ggufload.open_reader(path)
-        fields = ggufload.read_fields(reader)
+        fields = ggufload.read_fields(reader if reader is not None else ggufload.open_reader(path))
         tokenizer = ggufload.cached_tokenizer(path, cache_dir() / "tokenizers")
         eos = gguf_eos_ids(fields) or (
             [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []

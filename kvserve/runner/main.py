@@ -22,6 +22,7 @@ The scheduling itself lives in `scheduler.py`; this module only wires processes 
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import signal
@@ -119,18 +120,24 @@ class Worker:
 
         from kvserve.kernels import DecodeWorkspace, get_backend
         from kvserve.metrics import serve_metrics
-        from kvserve.model.weights import load_model, resolve_quantization
+        from kvserve.model.weights import load_model
         from kvserve.runner.metrics import RunnerMetrics
         from kvserve.runner.scheduler import Scheduler, SchedulerConfig
 
         cfg = self.cfg
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        self.quantization = resolve_quantization(cfg.quantization, cfg.model or None, self.device)
+        gc.disable()  # a load makes millions of small objects: full collections took 1.5 s of it
+        try:
+            self.loaded = load_model(cfg.model or None, dtype=getattr(torch, self.dtype), device=self.device,
+                                     quantization=cfg.quantization)
+        finally:
+            gc.enable()
+        gc.collect()
+        gc.freeze()  # what the load left is kept for good: no later collection walks it again
+        self.quantization = self.loaded.quantization
         if cfg.quantization == "auto":
             log.info("quantization auto: %s on %s for this model file", self.quantization, self.device)
-        self.loaded = load_model(cfg.model or None, dtype=getattr(torch, self.dtype), device=self.device,
-                                 quantization=self.quantization)
         backend = get_backend(self.backend_name)
         if str(self.device).startswith("cpu"):
             from kvserve.kernels import native

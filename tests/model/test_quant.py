@@ -219,3 +219,19 @@ def layer_rows() -> int:
     from kvserve.model.quant import _WeightOnly
 
     return _WeightOnly.dense_rows
+
+
+def test_a_load_resolves_auto_and_parses_the_gguf_header_once(monkeypatch) -> None:
+    """The embedded Q4_1 file: `load_model(quantization="auto")` runs int4 and says so, and its
+    header (seconds to parse: every vocabulary string) is opened once for the mode, the
+    weights and the tokenizer, where it was opened three times."""
+    from kvserve.model import gguf as ggufload
+    from kvserve.model.weights import load_model
+
+    opened = []
+    real = ggufload.open_reader
+    monkeypatch.setattr(ggufload, "open_reader", lambda path: opened.append(path) or real(path))
+    loaded = load_model(None, quantization="auto")
+    assert loaded.quantization == "int4"
+    assert isinstance(loaded.model.layers[0].gate_up, Int4Linear)
+    assert len(opened) == 1
