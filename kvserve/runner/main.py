@@ -64,6 +64,25 @@ CRASH_ON_TOKEN_ENV = "KVSERVE_FAULT_CRASH_ON_TOKEN"
 CRASH_EXIT = 70
 
 
+
+def release_freed_memory() -> bool:
+    """Give the heap's free pages back to the system (glibc's malloc_trim): a load frees the
+    float weights it dequantized and the dense copies a native kernel replaced, but glibc
+    keeps what it freed in its arenas, so the runner's resident memory stayed at its peak
+    (the default model on CPU: 1,115 MiB, 608 after the trim). False where the C library has
+    no malloc_trim (not glibc)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)
+    return True
+
 class Worker:
     """The runner process's state. `setup()` loads and connects, `run()` loops until
     `stop()`; the constructor does no I/O."""
@@ -162,6 +181,7 @@ class Worker:
             config=SchedulerConfig(max_running=cfg.max_running, max_batch_tokens=cfg.max_batch_tokens,
                                    chunk_size=cfg.chunk_size, seed=cfg.seed),
         )
+        release_freed_memory()  # the load's float copies and the freed dense ones
         self.metrics.set_info(
             model=self.loaded.name, device=self.device, dtype=self.dtype, backend=self.backend_name,
             runner_id=cfg.runner_id, policy=self.mem.layout.policy, quantization=self.quantization,
