@@ -443,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     report = run(args)
     print_report(report)
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return 1 if report["failures"] and not args.no_fail else 0
 

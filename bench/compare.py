@@ -275,6 +275,7 @@ def main() -> int:
             f"runner and frontend (the shared KV pool counts in memsvc and the runner).\n\n{table(rows)}")
     print(text)
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"rows": rows, "results": results}, indent=1))
     if args.readme:
         write_readme(text)

@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
           f"HTTP/gRPC = {ratio:.3f} (goal >= {GOAL})  cpu flags: {cpu_flags()}  serve rc={rc}  "
           f"threads={os.cpu_count()}")
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"runs": runs, "rate": rate, "ratio": ratio, "cpu_ms_per_token": per_token}, indent=1))
     ok = all(run["ok"] == run["requests"] for run in runs)
     return 0 if ok and rc == 0 else 1

@@ -514,6 +514,7 @@ def main() -> int:
     print(render(header, rows(results), args.markdown))
     if args.json:
         raw = {"cpu": model, "flags": flags, "header": header, "results": results}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(raw, indent=1))
     return 1 if any("failed" in r for r in results.values()) else 0
 

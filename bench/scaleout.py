@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                 stop_serve(node)
     print(f"cpu flags: {out['cpu_flags']}")
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
 
