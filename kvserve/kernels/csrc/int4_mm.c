@@ -28,6 +28,9 @@
 
 #include "bf16.h"
 #include "scratch.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
@@ -50,7 +53,7 @@ int kvs_int4_available(void) { return KVS_INT4; }
 #else
 #define ROWS 6   /* AVX2: 6 16-bit and 6 float sums, with the weight halves, fit 16 registers */
 #endif
-#define NB 32    /* outputs per thread's block (kvs_int4_mm) */
+#define NB 32    /* most outputs in a thread's block (kvs_int4_mm) */
 #define BLOCK 16 /* groups per block: one per 32-bit lane of a 512-bit register */
 
 /* Group g's 32 int8 activations `grp` into the row `q` in the weight's order: within each
@@ -369,17 +372,25 @@ int kvs_int4_mm(const void *x, int x_bf16, int64_t x_stride, int64_t m_rows, int
         return 0;
     }
 #endif
-    /* Each thread takes blocks of NB outputs; in a block, ROWS rows at a time (their 8-bit
-     * activations stay in L1) go through the block's weights (9-24 KB: L1/L2). Streaming all
-     * rows past each output instead read the activations from L2 or further at every output:
-     * 1.3-1.8x slower from 128 rows (AVX2 build, bench/int4_kernel.py). */
-    const int64_t nblocks = (n_out + NB - 1) / NB;
+    /* Each thread takes blocks of up to NB outputs; in a block, ROWS rows at a time (their
+     * 8-bit activations stay in L1) go through the block's weights (9-24 KB: L1/L2).
+     * Streaming all rows past each output instead read the activations from L2 or further at
+     * every output: 1.35x slower at 128 rows, 2x at 2,048 (AVX2 build, bench/int4_kernel.py).
+     * The blocks come in a multiple of the threads, so each thread has as many; with one pass
+     * of rows a block is one output (blocking buys nothing there). */
+    int64_t nblocks = m_rows <= ROWS ? n_out : (n_out + NB - 1) / NB;
+#ifdef _OPENMP
+    const int64_t threads = omp_get_max_threads();
+    nblocks = (nblocks + threads - 1) / threads * threads;
+#endif
+    const int64_t per = (n_out + nblocks - 1) / nblocks;
+    nblocks = (n_out + per - 1) / per;
     #pragma omp parallel for schedule(static) if (n_out * k >= 65536)
     for (int64_t nb = 0; nb < nblocks; nb++) {
-        const int64_t n1 = nb * NB + NB < n_out ? nb * NB + NB : n_out;
+        const int64_t n1 = nb * per + per < n_out ? nb * per + per : n_out;
         for (int64_t r0 = 0; r0 < m_rows; r0 += ROWS) {
             const int R = m_rows - r0 < ROWS ? (int)(m_rows - r0) : ROWS;
-            for (int64_t n = nb * NB; n < n1; n++) {
+            for (int64_t n = nb * per; n < n1; n++) {
                 float out[ROWS];
                 dot_any(R, nib + n * (k / 2), wd + n * groups, wm + n * groups, qx + r0 * k, dx + r0 * groups,
                         sx + r0 * groups, k, out);
