@@ -64,7 +64,6 @@ CRASH_ON_TOKEN_ENV = "KVSERVE_FAULT_CRASH_ON_TOKEN"
 CRASH_EXIT = 70
 
 
-
 def release_freed_memory() -> bool:
     """Give the heap's free pages back to the system (glibc's malloc_trim): a load frees the
     float weights it dequantized and the dense copies a native kernel replaced, but glibc
