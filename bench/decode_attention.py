@@ -47,14 +47,13 @@ CSRC = "kvserve/kernels/csrc"
 
 
 def build_at(rev: str, workdir: Path) -> ctypes.CDLL:
-    """decode_attention.c (and bf16.h) as of git revision `rev`, built alone with the
+    """decode_attention.c (and the headers it includes) as of git revision `rev`, built alone with the
     production flags (plus KVSERVE_NATIVE_FLAGS, as native's own build) and loaded as
     `native.build` loads its library."""
     root = Path(__file__).resolve().parent.parent
-    for name in ("decode_attention.c", "bf16.h"):
-        text = subprocess.run(["git", "show", f"{rev}:{CSRC}/{name}"], cwd=root, capture_output=True,
-                              check=True).stdout
-        (workdir / name).write_bytes(text)
+    for name in ("decode_attention.c", "bf16.h", "scratch.h"):
+        text = subprocess.run(["git", "show", f"{rev}:{CSRC}/{name}"], cwd=root, capture_output=True).stdout
+        (workdir / name).write_bytes(text)  # empty where `rev` has no such header
     extra = tuple(os.environ.get("KVSERVE_NATIVE_FLAGS", "").split())
     target = workdir / "decode_attention.so"
     subprocess.run(["cc", *native.FLAGS, *extra, "-o", str(target), str(workdir / "decode_attention.c"), "-lm"],

@@ -114,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.packed_rows:
         import kvserve.model.quant as quant
 
+        # The class default, and the values that the native kernels' `use_ops` set per weight.
         quant._WeightOnly.dense_rows = args.packed_rows
+        quant.NATIVE_INT4_DENSE_ROWS = quant.NATIVE_INT8_DENSE_ROWS = args.packed_rows
     if args.no_pack:
         import kvserve.model.quant as quant
 

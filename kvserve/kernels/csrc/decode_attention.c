@@ -41,7 +41,7 @@
 #include "scratch.h"
 
 #define BLOCK 64      /* tokens per online-softmax step */
-#define CHUNK 64      /* tokens per partial result, a multiple of BLOCK; half that up to SHORT */
+#define CHUNK 64      /* tokens per partial result, at most BLOCK (one block: the AVX-512 chunk); half that up to SHORT */
 #define SHORT 256     /* rows up to this length get chunks of CHUNK / 2, for a finer split */
 #define FIXED_D 128   /* the largest head_dim with fixed-length vector code */
 #define SPLIT_BELOW 8 /* spread the chunks over the threads below this many items per thread */
@@ -51,6 +51,7 @@
 #define MAX_D 256
 #define PREFETCH 8    /* slots ahead that the plain and AVX-512 paths fetch */
 #define LOG2E 1.44269504088896341f
+_Static_assert(CHUNK <= BLOCK, "a chunk is one block (chunk_bf16_avx512)");
 
 /* A partial result for q heads h = 0, 1, ...: m[h] the max score (base 2), l[h] the sum of
  * 2^(s - m[h]), acc[h * d + x] the sum of 2^(s - m[h]) v[x].  For `heads` q heads it lives
@@ -357,86 +358,112 @@ static inline __m512 exp2_512(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* The bf16 chunk with AVX-512 BF16 dot products; d a multiple of 32, BLOCK a multiple of 16. */
+/* The sums of sixteen vectors' lanes in one vector, a 16 x 16 transpose folded into 45
+ * shuffles and adds: lane i holds the sum of a[4 (i % 4) + i / 4]'s lanes. */
+static inline __attribute__((always_inline)) __m512 hsum16x16(const __m512 a[16]) {
+    __m512 b[8], c[4], e[2];
+    for (int i = 0; i < 8; i++) /* 256-bit halves: lanes 0-7 a[2i]'s, 8-15 a[2i + 1]'s */
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 4; i++) /* 128-bit quarters: quarter k a[4i + k]'s */
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int i = 0; i < 2; i++) /* quarter k: a[8i + k], a[8i + 4 + k], twice each */
+        e[i] = _mm512_add_ps(_mm512_unpacklo_ps(c[2 * i], c[2 * i + 1]), _mm512_unpackhi_ps(c[2 * i], c[2 * i + 1]));
+    return _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(3, 2, 3, 2)));
+}
+
+/* The bf16 chunk with AVX-512 BF16 dot products, d 64 or 128; a chunk is one block.  Per
+ * KV head: each q head's scores sixteen tokens at a time (a token's dot product in the lanes
+ * of one accumulator, sixteen of them summed across lanes at once), one softmax, then the
+ * group's q heads weigh each V row in as it is widened.  A V row widens as its even and its
+ * odd values (a shift and a mask of the same load), so the accumulators hold a head's d values
+ * in that order until they are stored. */
 static inline __attribute__((always_inline)) int chunk_bf16_avx512(const call *c, const unit *u, partial out,
                                                                    const int64_t d) {
-    const int64_t group = c->group, slot_elems = c->hkv * d;
+    const int64_t jv = d == 64 ? 4 : 2; /* q heads weighing V at once: 16 accumulators in registers */
+    const int64_t group = c->group, slot_elems = c->hkv * d, n = u->n, n16 = (n + 15) & ~(int64_t)15;
     const uint16_t *q = (const uint16_t *)u->q;
     const uint16_t *k_cache = (const uint16_t *)c->k_cache + u->g0 * d, *v_cache = (const uint16_t *)c->v_cache + u->g0 * d;
-    __m512bh qv[MAX_GROUP][MAX_D / 32];
     float s[MAX_GROUP][BLOCK] __attribute__((aligned(64)));
     int64_t base[BLOCK];
-    const __m512 sc = _mm512_set1_ps(c->scale * LOG2E);
-    for (int64_t h = 0; h < u->kv_heads * group; h++) {
-        for (int64_t x = 0; x < d; x += 16) _mm512_storeu_ps(out.acc + h * d + x, _mm512_setzero_ps());
-        out.m[h] = -INFINITY;
-        out.l[h] = 0.f;
+    const __m512 sc = _mm512_set1_ps(c->scale * LOG2E), neg_inf = _mm512_set1_ps(-INFINITY);
+    const __m512i odd = _mm512_set1_epi32((int)0xffff0000u);
+    const __m512i lo_idx = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i hi_idx = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+    const __mmask16 last = (__mmask16)(n - (n16 - 16) == 16 ? 0xffff : (1u << (n - (n16 - 16))) - 1u);
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t slot = u->slots[t];
+        if (slot < 0 || slot >= c->size) return 1;
+        base[t] = slot * slot_elems;
+        if (t + PREFETCH < u->avail) { /* slots are scattered: fetch ahead of the loop */
+            const int64_t ahead = u->slots[t + PREFETCH];
+            if (ahead >= 0 && ahead < c->size)
+                for (int64_t x = 0; x < u->kv_heads * d; x += 32) {
+                    _mm_prefetch((const char *)(k_cache + ahead * slot_elems + x), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(v_cache + ahead * slot_elems + x), _MM_HINT_T0);
+                }
+        }
     }
-    for (int64_t t0 = 0; t0 < u->n; t0 += BLOCK) {
-        const int64_t nb = u->n - t0 < BLOCK ? u->n - t0 : BLOCK;
-        for (int64_t t = 0; t < nb; t++) {
-            const int64_t slot = u->slots[t0 + t];
-            if (slot < 0 || slot >= c->size) return 1;
-            base[t] = slot * slot_elems;
-            if (t0 + t + PREFETCH < u->avail) { /* slots are scattered: fetch ahead of the loop */
-                const int64_t ahead = u->slots[t0 + t + PREFETCH];
-                if (ahead >= 0 && ahead < c->size)
-                    for (int64_t x = 0; x < u->kv_heads * d; x += 32) {
-                        _mm_prefetch((const char *)(k_cache + ahead * slot_elems + x), _MM_HINT_T0);
-                        _mm_prefetch((const char *)(v_cache + ahead * slot_elems + x), _MM_HINT_T0);
+    for (int64_t t = n; t < n16; t++) base[t] = base[0]; /* read, their scores masked */
+    for (int64_t h = 0; h < u->kv_heads; h++) {
+        const uint16_t *kh = k_cache + h * d, *vh = v_cache + h * d;
+        for (int64_t j = 0; j < group; j++) {
+            const int64_t qh = h * group + j;
+            __m512bh qv[FIXED_D / 32];
+            for (int64_t v = 0; v < d / 32; v++) qv[v] = (__m512bh)_mm512_loadu_si512(q + qh * d + 32 * v);
+            __m512 mv = neg_inf;
+            for (int64_t t0 = 0; t0 < n16; t0 += 16) {
+                __m512 a[16];
+                for (int i = 0; i < 16; i++) {
+                    const uint16_t *kr = kh + base[t0 + i];
+                    __m512 dot = _mm512_setzero_ps();
+                    for (int64_t v = 0; v < d / 32; v++)
+                        dot = _mm512_dpbf16_ps(dot, qv[v], (__m512bh)_mm512_loadu_si512(kr + 32 * v));
+                    a[(i % 4) * 4 + i / 4] = dot;
+                }
+                __m512 sv = _mm512_mul_ps(hsum16x16(a), sc);
+                if (t0 + 16 == n16) sv = _mm512_mask_blend_ps(last, neg_inf, sv);
+                _mm512_store_ps(&s[j][t0], sv);
+                mv = _mm512_max_ps(mv, sv);
+            }
+            const float mx = _mm512_reduce_max_ps(mv);
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t t0 = 0; t0 < n16; t0 += 16) {
+                const __m512 e = exp2_512(_mm512_sub_ps(_mm512_load_ps(&s[j][t0]), _mm512_set1_ps(mx)));
+                _mm512_store_ps(&s[j][t0], e);
+                sum = _mm512_add_ps(sum, e);
+            }
+            out.m[qh] = mx;
+            out.l[qh] = _mm512_reduce_add_ps(sum);
+        }
+        for (int64_t j0 = 0; j0 < group; j0 += jv) {
+            const int64_t nj = group - j0 < jv ? group - j0 : jv;
+            __m512 acc[4][FIXED_D / 16]; /* [q head][even, odd values of each 32] */
+            for (int j = 0; j < jv; j++)
+                for (int64_t x = 0; x < d / 16; x++) acc[j][x] = _mm512_setzero_ps();
+            for (int64_t t = 0; t < n; t++) {
+                const uint16_t *vr = vh + base[t];
+                __m512 vf[FIXED_D / 16];
+                for (int64_t v = 0; v < d / 32; v++) {
+                    const __m512i w = _mm512_loadu_si512(vr + 32 * v);
+                    vf[2 * v] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+                    vf[2 * v + 1] = _mm512_castsi512_ps(_mm512_and_si512(w, odd));
+                }
+                for (int j = 0; j < jv; j++)
+                    if (j < nj) {
+                        const __m512 p = _mm512_set1_ps(s[j0 + j][t]);
+                        for (int64_t x = 0; x < d / 16; x++) acc[j][x] = _mm512_fmadd_ps(p, vf[x], acc[j][x]);
                     }
             }
-        }
-        for (int64_t h = 0; h < u->kv_heads; h++) {
-            float *m = out.m + h * group, *l = out.l + h * group, *acc = out.acc + h * group * d;
-            for (int64_t j = 0; j < group; j++)
-                for (int64_t v = 0; v < d / 32; v++)
-                    qv[j][v] = (__m512bh)_mm512_loadu_si512(q + (h * group + j) * d + 32 * v);
-            for (int64_t t = 0; t < nb; t++) {
-                __m512bh kv[MAX_D / 32];
-                for (int64_t v = 0; v < d / 32; v++) kv[v] = (__m512bh)_mm512_loadu_si512(k_cache + base[t] + h * d + 32 * v);
-                for (int64_t j = 0; j < group; j++) {
-                    __m512 a = _mm512_setzero_ps();
-                    for (int64_t v = 0; v < d / 32; v++) a = _mm512_dpbf16_ps(a, qv[j][v], kv[v]);
-                    s[j][t] = _mm512_reduce_add_ps(a);
+            for (int j = 0; j < nj; j++) {
+                float *o = out.acc + (h * group + j0 + j) * d;
+                for (int64_t v = 0; v < d / 32; v++) {
+                    _mm512_storeu_ps(o + 32 * v, _mm512_permutex2var_ps(acc[j][2 * v], lo_idx, acc[j][2 * v + 1]));
+                    _mm512_storeu_ps(o + 32 * v + 16, _mm512_permutex2var_ps(acc[j][2 * v], hi_idx, acc[j][2 * v + 1]));
                 }
             }
-            for (int64_t t = nb; t < BLOCK; t++)
-                for (int64_t j = 0; j < group; j++) s[j][t] = -INFINITY;
-            __m512 cv[MAX_GROUP];
-            for (int64_t j = 0; j < group; j++) {
-                __m512 mv = _mm512_set1_ps(m[j]);
-                for (int64_t t = 0; t < BLOCK; t += 16)
-                    mv = _mm512_max_ps(mv, _mm512_mul_ps(_mm512_load_ps(&s[j][t]), sc));
-                const float mx = _mm512_reduce_max_ps(mv);
-                const float corr = exp2f(m[j] - mx);
-                __m512 sum = _mm512_setzero_ps();
-                for (int64_t t = 0; t < BLOCK; t += 16) {
-                    const __m512 e = exp2_512(_mm512_sub_ps(_mm512_mul_ps(_mm512_load_ps(&s[j][t]), sc),
-                                                            _mm512_set1_ps(mx)));
-                    _mm512_store_ps(&s[j][t], e);
-                    sum = _mm512_add_ps(sum, e);
-                }
-                l[j] = l[j] * corr + _mm512_reduce_add_ps(sum);
-                m[j] = mx;
-                cv[j] = _mm512_set1_ps(corr);
-            }
-            __m512 accv[MAX_GROUP][MAX_D / 16];
-            for (int64_t j = 0; j < group; j++)
-                for (int64_t x = 0; x < d / 16; x++) accv[j][x] = _mm512_mul_ps(_mm512_loadu_ps(acc + j * d + 16 * x), cv[j]);
-            for (int64_t t = 0; t < nb; t++) {
-                const uint16_t *vr = v_cache + base[t] + h * d;
-                __m512 vf[MAX_D / 16];
-                for (int64_t x = 0; x < d / 16; x++)
-                    vf[x] = _mm512_castsi512_ps(_mm512_slli_epi32(
-                        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vr + 16 * x))), 16));
-                for (int64_t j = 0; j < group; j++) {
-                    const __m512 p = _mm512_set1_ps(s[j][t]);
-                    for (int64_t x = 0; x < d / 16; x++) accv[j][x] = _mm512_fmadd_ps(p, vf[x], accv[j][x]);
-                }
-            }
-            for (int64_t j = 0; j < group; j++)
-                for (int64_t x = 0; x < d / 16; x++) _mm512_storeu_ps(acc + j * d + 16 * x, accv[j][x]);
         }
     }
     return 0;
