@@ -114,6 +114,8 @@ def build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         getattr(lib, f"kvs_rms_norm_{kind}").argtypes = [_P, _P, _P, _I64, _I64, _I64, ctypes.c_float]
         getattr(lib, f"kvs_rotary_{kind}").argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64]
     lib.kvs_store_rows.argtypes = [_P, _I64, _P, _I64, _P, _I64, _I64]
+    for kind in ("bf16", "f32"):
+        getattr(lib, f"kvs_row_argmax_{kind}").argtypes = [_P, _I64, _I64, _I64, _P, _P]
     lib.kvs_limits.argtypes = [ctypes.POINTER(_I64), ctypes.POINTER(_I64)]
     lib.kvs_avx512_bf16.restype = ctypes.c_int
     lib.kvs_int4_available.restype = ctypes.c_int
@@ -273,6 +275,23 @@ def rotary(x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor,
         raise ValueError(f"rotary: position {int(positions[bad - 1])} of token {bad - 1} is outside "
                          f"the tables of {cos.shape[0]}")
     return out
+
+
+def row_argmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """For each row of x [B, V] (float32 or bfloat16 on the CPU, each row contiguous): the
+    index of its first largest value (int64 [B], torch's argmax) and whether all its values
+    are finite (bool [B]; a row that is not gets index 0), in one pass over the row: greedy
+    sampling's read of a step's logits. None where the native kernels are not there or x is
+    not such a tensor."""
+    if not (x.device.type == "cpu" and x.dtype in _SUFFIX and x.dim() == 2 and x.stride(1) == 1
+            and x.shape[1] > 0 and available()):
+        return None
+    rows = x.shape[0]
+    index = torch.empty(rows, dtype=torch.int64)
+    finite = torch.empty(rows, dtype=torch.bool)
+    getattr(_load(), "kvs_row_argmax_" + _SUFFIX[x.dtype])(
+        x.data_ptr(), rows, x.shape[1], x.stride(0), index.data_ptr(), finite.data_ptr())
+    return index, finite
 
 
 def store_rows(src: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor) -> None:

@@ -335,16 +335,21 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         attend: AttendFn,
         logits_indices: torch.Tensor,
+        float_logits: bool = True,
     ) -> torch.Tensor:
-        """Run the flat batch `input_ids` [T] at `positions` [T]; float32 logits [B, vocab]
-        for the tokens at `logits_indices` [B]."""
+        """Run the flat batch `input_ids` [T] at `positions` [T]; logits [B, vocab] for the
+        tokens at `logits_indices` [B]: float32, or with `float_logits` False the head's own
+        dtype (the model's)."""
         x = F.embedding(input_ids, self.embed)
         ops = self.row_ops
         rope = self.rotary.rope(positions, self.dtype, ops if ops is not None and ops.rowwise(x) else None)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, i, attend)
-        x = self.norm(x.index_select(0, logits_indices))
-        return self.head(x).float()
+        return self._logits(x, logits_indices, float_logits)
+
+    def _logits(self, x: torch.Tensor, logits_indices: torch.Tensor, float_logits: bool) -> torch.Tensor:
+        logits = self.head(self.norm(x.index_select(0, logits_indices)))
+        return logits.float() if float_logits else logits
 
     def forward(
         self,
@@ -356,6 +361,7 @@ class LlamaForCausalLM(nn.Module):
         backend: Any,
         logits_indices: torch.Tensor,
         fence: Callable[[int], None] | None = None,
+        float_logits: bool = True,
     ) -> torch.Tensor:
         """Forward over memsvc KV buffers [n_layers, size, Hkv, D] with a kernels backend.
 
@@ -363,7 +369,8 @@ class LlamaForCausalLM(nn.Module):
         `input_ids`); each layer's new k/v are stored at `meta.out_cache_loc` by the backend, or
         by the one-call layer (`_fused_step`) that takes a small decode step.
         `fence`, when given, is called with the layer index right before each layer's store and
-        raises to stop the forward (the runner's lease check). Returns float32 logits [B, vocab] for `logits_indices`.
+        raises to stop the forward (the runner's lease check). Returns logits [B, vocab] for `logits_indices`:
+        float32, or with `float_logits` False the head's own dtype (the model's).
         """
         scale = self.sm_scale
         step = self._fused_step(input_ids, meta, k_buffer, backend)
@@ -373,8 +380,7 @@ class LlamaForCausalLM(nn.Module):
                 if fence is not None:
                     fence(i)
                 step.run(layer.fused, x, k_buffer[i], v_buffer[i])
-            x = self.norm(x.index_select(0, logits_indices))
-            return self.head(x).float()
+            return self._logits(x, logits_indices, float_logits)
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             if fence is not None:
@@ -383,4 +389,4 @@ class LlamaForCausalLM(nn.Module):
                 q, k, v, k_cache=k_buffer[layer], v_cache=v_buffer[layer], meta=meta, sm_scale=scale
             )
 
-        return self.forward_tokens(input_ids, meta.positions, attend, logits_indices)
+        return self.forward_tokens(input_ids, meta.positions, attend, logits_indices, float_logits)

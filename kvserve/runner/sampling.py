@@ -21,7 +21,7 @@ requests' lifecycles, memsvc or sockets.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -168,19 +168,32 @@ class Sampler:
     that two runners never draw the same "random" tokens); seeded requests bring their
     own (`SampleRow.generator`)."""
 
-    def __init__(self, *, device: torch.device | str = "cpu", seed: int | None = None) -> None:
+    def __init__(self, *, device: torch.device | str = "cpu", seed: int | None = None,
+                 argmax: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None] | None = None) -> None:
+        """`argmax`, where given (the native kernels' `row_argmax`), reads a step whose every
+        row is plainly greedy in one pass: logits -> (first index of each row's largest
+        value, whether the row is all finite), or None where it does not take them."""
         self.device = torch.device(device)
         self.generator = make_generator(seed, self.device)
+        self.argmax = argmax
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleOutput:
-        """Pick the next token of each row of `logits` ([B, V] float32, one row per entry
-        of `rows`). A row holding NaN or inf is not sampled: its `nonfinite` entry is True
-        and its token -1. Does not mutate `logits` or the penalty states: the caller counts
-        the new tokens."""
+        """Pick the next token of each row of `logits` ([B, V] float32 or the model's dtype,
+        one row per entry of `rows`). A row holding NaN or inf is not sampled: its
+        `nonfinite` entry is True and its token -1. Does not mutate `logits` or the penalty
+        states: the caller counts the new tokens."""
         n = len(rows)
         if logits.shape[0] != n:
             raise ValueError(f"logits has {logits.shape[0]} rows, {n} sample rows given")
         params = [r.params for r in rows]
+        if self.argmax is not None and all(is_greedy(p) and p.logprobs <= 0 and r.penalties is None
+                                           for p, r in zip(params, rows, strict=True)):
+            read = self.argmax(logits)
+            if read is not None:
+                top, finite = read
+                token_ids = torch.where(finite, top, -1).tolist()
+                return SampleOutput(token_ids=token_ids, logprobs=[None] * n, nonfinite=[t < 0 for t in token_ids])
+        logits = logits.float()  # a no-op on float32
         # A row's maximum is NaN or +inf when it holds either, its minimum -inf when it holds
         # that: two reductions find the bad rows, and the maximum's index is the greedy token.
         # Bad rows become zeros (a copy of `logits`; on CPU only when there are any, on a GPU

@@ -138,7 +138,8 @@ class Scheduler:
         self.device = torch.device(model.device)
         if self.device.type == "cpu" and hasattr(model, "use_row_ops"):
             model.use_row_ops(native)  # one-pass RMS norm and rotary where they build
-        self.sampler = Sampler(device=self.device, seed=self.config.seed or None)
+        self.sampler = Sampler(device=self.device, seed=self.config.seed or None,
+                               argmax=native.row_argmax if self.device.type == "cpu" else None)
         self.table = RequestTable()
         self._outbox: list[TokenOut] = []
         self._aborts: list[str] = []
@@ -274,6 +275,7 @@ class Scheduler:
         logits = model.forward(
             batch.input_ids, batch.meta, k_buffer=self.mem.k_buffer, v_buffer=self.mem.v_buffer,
             backend=self.backend, logits_indices=batch.logits_indices, fence=self.mem.fence,
+            float_logits=False,  # the sampler widens them where a row needs more than its greedy token
         )
         # The read side: a lease that ran out during the step (the process was stopped after
         # the last layer's write) may have let the row's slots be reused while attention read

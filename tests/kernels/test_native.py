@@ -240,6 +240,37 @@ def test_rms_norm_rounds_as_torch(lib, dtype, rows, monkeypatch):
         assert (out != expected).float().mean().item() < 0.01
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_row_argmax_is_torchs_first_index_and_flags_the_nonfinite_rows(lib, dtype, monkeypatch):
+    monkeypatch.setattr(native, "_load", lambda: lib)
+    g = torch.Generator().manual_seed(7)
+    wide = torch.randn(12, 1100, generator=g).to(dtype)  # 1,000 columns used: not whole blocks of 256
+    x = wide[:, :1000]  # rows strided as a view of a wider tensor
+    x[1, [40, 41]] = 9.0  # a tie inside one block of 256
+    x[2, [300, 20]] = 9.0  # a tie across blocks: the first is in the earlier block
+    x[3, [255, 256]] = 9.0  # a tie across a block boundary
+    x[4, 999] = 9.0  # the last column, in a short last block
+    x[5, 0] = 9.0
+    x[6] = -3.0  # all equal: column 0
+    x[7, 500] = float("nan")
+    x[8, 3] = float("inf")
+    x[9, 998] = float("-inf")
+    x[10, 10], x[10, 700] = -float("inf"), float("nan")
+    index, finite = native.row_argmax(x)
+    expect_finite = torch.isfinite(x.float()).all(-1)
+    assert finite.tolist() == expect_finite.tolist() == [True] * 7 + [False] * 4 + [True]
+    assert torch.equal(index[expect_finite], x.float().argmax(-1)[expect_finite])
+    assert index[:7].tolist() == [int(x[0].float().argmax()), 40, 20, 255, 999, 0, 0]
+    assert index[~expect_finite].tolist() == [0, 0, 0, 0]
+
+
+def test_row_argmax_declines_what_it_does_not_take():
+    assert native.row_argmax(torch.zeros(4, dtype=torch.float32)) is None  # not [B, V]
+    assert native.row_argmax(torch.zeros(2, 4, dtype=torch.float16)) is None
+    assert native.row_argmax(torch.zeros(4, 2).t()) is None  # values of a row not contiguous
+    assert native.row_argmax(torch.zeros(2, 0)) is None
+
+
 def test_rms_norm_refuses_a_weight_of_another_shape():
     x = torch.zeros(2, 576, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"weight must be contiguous \[576\] torch.bfloat16"):

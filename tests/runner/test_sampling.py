@@ -34,6 +34,38 @@ def test_greedy_is_argmax_and_fast_path() -> None:
     assert out.logprobs == [None, None]
 
 
+def test_a_plainly_greedy_step_is_read_in_one_pass_by_the_given_argmax() -> None:
+    from kvserve.kernels import native
+
+    if not native.available():
+        pytest.skip("no native kernels (no C compiler)")
+    seen: list[torch.dtype] = []
+
+    def argmax(logits: torch.Tensor):
+        seen.append(logits.dtype)
+        return native.row_argmax(logits)
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 5000, generator=g).bfloat16()
+    logits[4, 17] = float("nan")
+    greedy = [SampleRow(SamplingParams()) for _ in range(6)]
+    out = Sampler(argmax=argmax).sample(logits, greedy)
+    reference = Sampler().sample(logits.float(), greedy)  # torch's max and min
+    assert seen == [torch.bfloat16]
+    assert out == reference
+    assert out.nonfinite == [False] * 4 + [True, False] and out.token_ids[4] == -1
+    # a row that asks for more than its greedy token (logprobs, penalties, a temperature)
+    # sends the whole step down the float32 path, which widens the bfloat16 logits itself
+    for odd in (SampleRow(SamplingParams(logprobs=1)), SampleRow(SamplingParams(temperature=0.5)),
+                SampleRow(SamplingParams(), penalties=PenaltyState.create([1], 5000, "cpu"))):
+        rows = [*greedy[:5], odd]
+        seen.clear()
+        mixed = Sampler(seed=5, argmax=argmax).sample(logits, rows)
+        assert seen == []
+        assert mixed.token_ids[:5] == reference.token_ids[:5]
+        assert mixed == Sampler(seed=5).sample(logits.float(), rows)
+
+
 def test_top_k_keeps_k_largest() -> None:
     x = torch.tensor([[1.0, 4.0, 2.0, 3.0], [1.0, 4.0, 2.0, 3.0]])
     got = filter_top_k_top_p(x, torch.tensor([2, 0]), torch.tensor([1.0, 1.0]))

@@ -87,3 +87,51 @@ int kvs_store_rows(const char *src, int64_t src_stride_bytes, char *dst, int64_t
         memcpy(dst + loc[t] * row_bytes, src + t * src_stride_bytes, (size_t)row_bytes);
     return 0;
 }
+
+/* Greedy sampling's read of a step's logits x [rows, cols] (row r at x + r * stride), one
+ * pass per row where torch took three (a float32 copy of bfloat16 logits, their max with its
+ * index, their min for the finite check): index[r] the first column holding the row's
+ * largest value (torch's argmax), finite[r] 1 when no value is NaN or infinite (else 0, and
+ * index[r] 0).  Rows are split over the OpenMP threads. */
+static inline uint32_t exp_bits_f32(float v) {
+    uint32_t u;
+    memcpy(&u, &v, sizeof u);
+    return u & 0x7f800000u;
+}
+static inline uint32_t exp_bits_bf16(uint16_t h) { return ((uint32_t)h << 16) & 0x7f800000u; }
+
+#define ARGMAX_BLOCK 256 /* columns per vector pass: the first index is sought in one block only */
+#define DEFINE_ARGMAX(SUFFIX, T, LOAD)                                                            \
+int kvs_row_argmax_##SUFFIX(const T *x, int64_t rows, int64_t cols, int64_t stride, int64_t *index, \
+                            uint8_t *finite) {                                                   \
+    _Pragma("omp parallel for schedule(static) if (rows * cols >= 65536)")                       \
+    for (int64_t r = 0; r < rows; r++) {                                                         \
+        const T *xr = x + r * stride;                                                            \
+        float m = -INFINITY;                                                                     \
+        int64_t at = 0; /* the first block whose largest value is m */                           \
+        uint32_t bad = 0;                                                                        \
+        for (int64_t b = 0; b < cols; b += ARGMAX_BLOCK) {                                       \
+            const int64_t end = cols - b < ARGMAX_BLOCK ? cols : b + ARGMAX_BLOCK;               \
+            float bm = -INFINITY;                                                                \
+            _Pragma("omp simd reduction(max : bm) reduction(| : bad)") /* NaN rows are flagged */ \
+            for (int64_t i = b; i < end; i++) {                                                  \
+                const float v = LOAD(xr[i]);                                                     \
+                bm = v > bm ? v : bm;                                                            \
+                bad |= exp_bits_##SUFFIX(xr[i]) == 0x7f800000u;                                  \
+            }                                                                                    \
+            if (bm > m) {                                                                        \
+                m = bm;                                                                          \
+                at = b;                                                                          \
+            }                                                                                    \
+        }                                                                                        \
+        if (bad) at = 0;                                                                         \
+        else                                                                                     \
+            while (at < cols - 1 && LOAD(xr[at]) != m) at++;                                     \
+        index[r] = at;                                                                           \
+        finite[r] = !bad;                                                                        \
+    }                                                                                            \
+    return 0;                                                                                    \
+}
+
+DEFINE_ARGMAX(bf16, uint16_t, bf16_to_f32)
+DEFINE_ARGMAX(f32, float, f32_id)
