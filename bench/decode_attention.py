@@ -52,8 +52,9 @@ def build_at(rev: str, workdir: Path) -> ctypes.CDLL:
     `native.build` loads its library."""
     root = Path(__file__).resolve().parent.parent
     for name in ("decode_attention.c", "bf16.h", "scratch.h"):
-        text = subprocess.run(["git", "show", f"{rev}:{CSRC}/{name}"], cwd=root, capture_output=True).stdout
-        (workdir / name).write_bytes(text)  # empty where `rev` has no such header
+        shown = subprocess.run(["git", "show", f"{rev}:{CSRC}/{name}"], cwd=root, capture_output=True,
+                               check=name.endswith(".c"))  # a header `rev` lacks is written empty
+        (workdir / name).write_bytes(shown.stdout if shown.returncode == 0 else b"")
     extra = tuple(os.environ.get("KVSERVE_NATIVE_FLAGS", "").split())
     target = workdir / "decode_attention.so"
     subprocess.run(["cc", *native.FLAGS, *extra, "-o", str(target), str(workdir / "decode_attention.c"), "-lm"],

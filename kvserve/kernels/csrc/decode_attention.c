@@ -392,7 +392,8 @@ static inline __attribute__((always_inline)) int chunk_bf16_avx512(const call *c
     const __m512i odd = _mm512_set1_epi32((int)0xffff0000u);
     const __m512i lo_idx = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const __m512i hi_idx = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
-    const __mmask16 last = (__mmask16)(n - (n16 - 16) == 16 ? 0xffff : (1u << (n - (n16 - 16))) - 1u);
+    const int64_t tail = n - (n16 - 16); /* tokens in the last group of 16 */
+    const __mmask16 last = (__mmask16)(tail == 16 ? 0xffff : (1u << tail) - 1u);
     for (int64_t t = 0; t < n; t++) {
         const int64_t slot = u->slots[t];
         if (slot < 0 || slot >= c->size) return 1;
