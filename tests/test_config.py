@@ -217,3 +217,12 @@ def test_config_package_is_stdlib_only() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[] []"
+
+
+@pytest.mark.parametrize("text", ["x", "-0.1", "2", "nan"])
+def test_fault_layer_delay_is_checked(text: str) -> None:
+    from kvserve.runner.main import _layer_delay
+
+    assert _layer_delay("") == 0.0 and _layer_delay("0.004") == 0.004
+    with pytest.raises(ConfigError, match=rf"KVSERVE_FAULT_LAYER_DELAY_S='{text}': want seconds from 0 to 1"):
+        _layer_delay(text)

@@ -14,7 +14,9 @@ If the status thread dies, the process exits 1. SIGTERM/SIGINT stop the loop; ex
 
 Test hook: with `KVSERVE_FAULT_CRASH_ON_TOKEN=<id>` in its environment, the runner exits
 at once (status 70, like a crash) when it receives a prompt holding that token id; the
-fault tests use it for "a request that crashes runners".
+fault tests use it for "a request that crashes runners". With
+`KVSERVE_FAULT_LAYER_DELAY_S=<seconds>` it sleeps that long before each layer's lease check,
+so that a SIGSTOP sent at a random moment lands inside a step (the lease-fencing test).
 
 The scheduling itself lives in `scheduler.py`; this module only wires processes together.
 """
@@ -62,6 +64,21 @@ ATTACH_TIMEOUT_S = 1.0
 SEND_TIMEOUT_S = 1.0
 CRASH_ON_TOKEN_ENV = "KVSERVE_FAULT_CRASH_ON_TOKEN"
 CRASH_EXIT = 70
+LAYER_DELAY_ENV = "KVSERVE_FAULT_LAYER_DELAY_S"
+
+
+def _layer_delay(text: str) -> float:
+    """The fault hook's per-layer delay in seconds (unset: 0; anything but a number from 0 to 1
+    is a configuration error that names the variable)."""
+    if not text.strip():
+        return 0.0
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise ConfigError(f"{LAYER_DELAY_ENV}={text!r}: want seconds from 0 to 1")
+    return value
 
 
 def release_freed_memory() -> bool:
@@ -180,6 +197,7 @@ class Worker:
             config=SchedulerConfig(max_running=cfg.max_running, max_batch_tokens=cfg.max_batch_tokens,
                                    chunk_size=cfg.chunk_size, seed=cfg.seed),
         )
+        self.sched.fault_layer_delay_s = _layer_delay(os.environ.get(LAYER_DELAY_ENV, ""))
         release_freed_memory()  # the load's float copies and the freed dense ones
         self.metrics.set_info(
             model=self.loaded.name, device=self.device, dtype=self.dtype, backend=self.backend_name,

@@ -144,10 +144,24 @@ class Scheduler:
         self._outbox: list[TokenOut] = []
         self._aborts: list[str] = []
         self.ran_forward = False
+        self.fault_layer_delay_s = 0.0  # test hook (runner main sets it): a sleep before each layer's fence
         self.kv = KVPlanner(layout, max_running=self.config.max_running,
                             max_batch_tokens=self.config.max_batch_tokens,
                             chunk_size=self.config.chunk_size, metrics=metrics)
         self.rebind(mem, layout)
+
+    def _layer_fence(self) -> Callable[[int], None]:
+        """The lease check before each layer's KV write; with the fault hook's delay set, the
+        forward sleeps that long before each check (a stop then lands mid-step nearly always)."""
+        check, delay = self.mem.fence, self.fault_layer_delay_s
+        if delay <= 0:
+            return check
+
+        def slow_fence(layer: int) -> None:
+            time.sleep(delay)
+            check(layer)
+
+        return slow_fence
 
     # ---- requests in -------------------------------------------------------------------
     def rebind(self, mem: Any, layout: Layout) -> None:
@@ -274,7 +288,7 @@ class Scheduler:
         )
         logits = model.forward(
             batch.input_ids, batch.meta, k_buffer=self.mem.k_buffer, v_buffer=self.mem.v_buffer,
-            backend=self.backend, logits_indices=batch.logits_indices, fence=self.mem.fence,
+            backend=self.backend, logits_indices=batch.logits_indices, fence=self._layer_fence(),
             float_logits=False,  # the sampler widens them where a row needs more than its greedy token
         )
         # The read side: a lease that ran out during the step (the process was stopped after

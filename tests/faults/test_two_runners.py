@@ -13,8 +13,10 @@ its fence trips before the next layer's write, every greedy output must equal th
 fault-free run, memsvc's invariants must hold and nothing may leak; the runner re-attaches
 and serves again.
 
-A model with 12 layers makes a step mostly forward, so a stop lands inside one; a trial
-counts once the runner's log shows the fence refusing a write past layer 0 (mid-step).
+A model with 12 layers, and the `KVSERVE_FAULT_LAYER_DELAY_S` hook's 4 ms sleep before each
+layer's lease check, make a step mostly forward, so a stop lands inside one (without the hook
+CI once saw six stops in a row land between steps); a trial counts once the runner's log
+shows the fence refusing a write past layer 0 (mid-step).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvserve.runner.main import CRASH_ON_TOKEN_ENV
+from kvserve.runner.main import CRASH_ON_TOKEN_ENV, LAYER_DELAY_ENV
 from kvserve.v1 import generator_pb2 as pb
 
 from ..runner.runner_procs import write_sharp_tiny_model
@@ -40,6 +42,7 @@ from .harness import Service, greedy, start_serve, stop_serve
 pytestmark = pytest.mark.timeout(300)
 LAYERS = 12
 MAX_NEW = 48
+LAYER_DELAY_S = 0.004
 STOP_S = 6.0  # > TTL 1.5 + grace 0.5 + reap 0.2 + quarantine 2.0: the slots are reused meanwhile
 MID_STEP = re.compile(r"KV write refused before layer (\d+)'s KV write")
 RECLAIMED = re.compile(r"reclaimed lease of runner-\d+ \(pid (\d+)\), silent .*?: (\d+) rows")
@@ -58,6 +61,7 @@ def svc(tmp_path_factory: pytest.TempPathFactory, deep_model: Path) -> Iterator[
     run = tmp_path_factory.mktemp("fence-rt")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(CRASH_ON_TOKEN_ENV, str(CRASH_TOKEN))
+        mp.setenv(LAYER_DELAY_ENV, str(LAYER_DELAY_S))
         service = start_serve(run, deep_model, "--runners", "2", "--kv-tokens", "800", "--policy", "reserve",
                               log=run.parent / "fence-serve.log")
     service.log_path = run.parent / "fence-serve.log"
