@@ -127,6 +127,7 @@ class Worker:
         self.fatal: BaseException | None = None
         crash = os.environ.get(CRASH_ON_TOKEN_ENV, "")
         self._crash_token = int(crash) if crash.strip().isdigit() else None
+        self._layer_delay_s = _layer_delay(os.environ.get(LAYER_DELAY_ENV, ""))  # checked before the load
         self.memsvc_address = cfg.memsvc_address or ipc_address(MEMSVC_SOCKET, cfg.runtime_dir or None)
         self.frontend_address = cfg.frontend_address or ipc_address(FRONTEND_SOCKET, cfg.runtime_dir or None)
         self.memsvc_curve = self._curve_keys(self.memsvc_address, "memsvc_address", "memsvc_public_key_file")
@@ -197,7 +198,7 @@ class Worker:
             config=SchedulerConfig(max_running=cfg.max_running, max_batch_tokens=cfg.max_batch_tokens,
                                    chunk_size=cfg.chunk_size, seed=cfg.seed),
         )
-        self.sched.fault_layer_delay_s = _layer_delay(os.environ.get(LAYER_DELAY_ENV, ""))
+        self.sched.fault_layer_delay_s = self._layer_delay_s
         release_freed_memory()  # the load's float copies and the freed dense ones
         self.metrics.set_info(
             model=self.loaded.name, device=self.device, dtype=self.dtype, backend=self.backend_name,
