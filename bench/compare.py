@@ -1,9 +1,11 @@
 """`make bench`: kvserve beside its peers on the same model, prompts and machine, one run.
 
 Peers: Hugging Face transformers `generate` in static batches (bench/peer_hf.py, in the
-project's venv), llama-cpp-python on the same GGUF (bench/peer_llamacpp.py, in its own
-venv under .peers/, built from source without the AMX path on first use), and kvserve
-itself through gRPC (a real `kvserve serve`) at several concurrencies.
+project's venv), llama-cpp-python on the same GGUF (bench/peer_llamacpp.py, in the venv
+bench/peers.py builds under .peers/ on first use, for this CPU's AVX2 / AVX-512 flags, without
+the AMX path), and kvserve itself through gRPC (a real `kvserve serve`) at several
+concurrencies. `--dtype auto` (the default) is what `kvserve serve` picks for the CPU: bfloat16
+where it has native bf16, else float32; HF runs in the same dtype.
 
 Two workloads: fixed (prompt 128, 128 new tokens) and mixed (64 requests, prompts
 32-512, outputs 16-256, seeded uniform). Every request generates exactly its
@@ -30,14 +32,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))  # peers.py: the llama.cpp build and the CPU's flags
 
 from kvserve.model.files import resolve_model  # noqa: E402
 from kvserve.tools.bench import run_one  # noqa: E402
 from kvserve.tools.bench_report import Record, percentile  # noqa: E402
 
-PEER_VENV = ROOT / ".peers" / "llamacpp"
-LLAMA_CMAKE = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON "
-               "-DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF")
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 
@@ -161,14 +161,15 @@ class KvserveServer:
 
 
 def ensure_llamacpp() -> Path | None:
-    py = PEER_VENV / "bin" / "python"
-    if py.exists() and subprocess.run([py, "-c", "import llama_cpp"], capture_output=True).returncode == 0:
-        return py
-    print("building llama-cpp-python into .peers/llamacpp (takes minutes) ...", file=sys.stderr)
-    subprocess.run([sys.executable, "-m", "venv", str(PEER_VENV)], check=True)
-    env = dict(os.environ, CMAKE_ARGS=LLAMA_CMAKE)
-    proc = subprocess.run([py, "-m", "pip", "install", "-q", "--no-cache-dir", "llama-cpp-python"], env=env)
-    return py if proc.returncode == 0 else None
+    """A python with llama_cpp built for this CPU (bench/peers.py's venv), or None where it
+    could not be built."""
+    import peers
+
+    try:
+        return peers.ensure_llamacpp_server()
+    except (subprocess.CalledProcessError, RuntimeError) as exc:
+        print(f"llama-cpp-python: {exc}", file=sys.stderr)
+        return None
 
 
 def run_peer(cmd: list, spec: dict) -> dict:
@@ -202,7 +203,8 @@ def write_readme(text: str) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="auto: bfloat16 where the CPU has native bf16, else float32")
     p.add_argument("--concurrency", default="1,8,32", help="kvserve concurrencies (default: %(default)s)")
     p.add_argument("--peers", default="hf,llamacpp", help="peers to run beside kvserve (default: %(default)s)")
     p.add_argument("--workloads", default="fixed,mixed")
@@ -213,6 +215,9 @@ def main() -> int:
     p.add_argument("--readme", action="store_true", help="write the table into README.md")
     p.add_argument("--json", help="write raw results here")
     args = p.parse_args()
+    from kvserve.config.devices import resolve_dtype
+
+    args.dtype = resolve_dtype(args.dtype, "cpu")
     concs = [int(c) for c in args.concurrency.split(",")]
     peers = [x for x in args.peers.split(",") if x]
     wanted = args.workloads.split(",")
@@ -265,10 +270,12 @@ def main() -> int:
         print("llama-cpp-python could not be built; its rows are missing", file=sys.stderr)
 
     rows.sort(key=lambda r: (r["workload"], r["conc"], r["system"] != "kvserve"))
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
+    import peers
+
+    cpu, flags = peers.cpu_info()
     cmd = "python bench/compare.py " + " ".join(sys.argv[1:])
-    text = (f"Measured {datetime.date.today().isoformat()} on {cpu}, {os.cpu_count()} cores, "
+    text = (f"Measured {datetime.date.today().isoformat()} on {cpu or platform.processor()}, {os.cpu_count()} "
+            f"cores, flags {' '.join(flags) or 'none'}, "
             f"{args.dtype}, model SmolLM2-135M-Instruct (Q4_1 GGUF; kvserve serves it with `--quantization "
             f"auto` unless --serve-args say otherwise (int4 projections from the file's codes), HF "
             f"dequantizes it, llama.cpp runs it quantized). Command: `{cmd}`. Peak RSS of kvserve sums memsvc, "
