@@ -20,7 +20,6 @@ import asyncio
 import datetime
 import json
 import os
-import platform
 import random
 import re
 import socket
@@ -33,6 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))  # peers.py: the llama.cpp build and the CPU's flags
+
+import peers  # noqa: E402
 
 from kvserve.model.files import resolve_model  # noqa: E402
 from kvserve.tools.bench import run_one  # noqa: E402
@@ -163,8 +164,6 @@ class KvserveServer:
 def ensure_llamacpp() -> Path | None:
     """A python with llama_cpp built for this CPU (bench/peers.py's venv), or None where it
     could not be built."""
-    import peers
-
     try:
         return peers.ensure_llamacpp_server()
     except (subprocess.CalledProcessError, RuntimeError) as exc:
@@ -219,7 +218,7 @@ def main() -> int:
 
     args.dtype = resolve_dtype(args.dtype, "cpu")
     concs = [int(c) for c in args.concurrency.split(",")]
-    peers = [x for x in args.peers.split(",") if x]
+    peer_names = [x for x in args.peers.split(",") if x]
     wanted = args.workloads.split(",")
     model = resolve_model(None)
     from kvserve.model.weights import load_tokenizer
@@ -246,11 +245,11 @@ def main() -> int:
     finally:
         server.stop()
 
-    llama_py = ensure_llamacpp() if "llamacpp" in peers else None
+    llama_py = ensure_llamacpp() if "llamacpp" in peer_names else None
     for w, c, reqs in plan:
         kv = next(r for r in rows if r["system"] == "kvserve" and r["workload"] == w and r["conc"] == c)
         spec = dict(base, requests=reqs)
-        if "hf" in peers:
+        if "hf" in peer_names:
             batch = c if w == "fixed" else 32
             if not any(r["system"] == "HF generate" and r["workload"] == w and r["conc"] == batch for r in rows):
                 res = run_peer([sys.executable, ROOT / "bench" / "peer_hf.py", batch, args.dtype, args.threads], spec)
@@ -266,15 +265,13 @@ def main() -> int:
             rows.append({"workload": w, "system": "llama-cpp-python", "conc": c, **f,
                          "ratio": kv["tok_s"] / f["tok_s"]})
             print(table(rows[-1:]).splitlines()[-1], file=sys.stderr)
-    if "llamacpp" in peers and llama_py is None:
+    if "llamacpp" in peer_names and llama_py is None:
         print("llama-cpp-python could not be built; its rows are missing", file=sys.stderr)
 
     rows.sort(key=lambda r: (r["workload"], r["conc"], r["system"] != "kvserve"))
-    import peers
-
     cpu, flags = peers.cpu_info()
     cmd = "python bench/compare.py " + " ".join(sys.argv[1:])
-    text = (f"Measured {datetime.date.today().isoformat()} on {cpu or platform.processor()}, {os.cpu_count()} "
+    text = (f"Measured {datetime.date.today().isoformat()} on {cpu}, {os.cpu_count()} "
             f"cores, flags {' '.join(flags) or 'none'}, "
             f"{args.dtype}, model SmolLM2-135M-Instruct (Q4_1 GGUF; kvserve serves it with `--quantization "
             f"auto` unless --serve-args say otherwise (int4 projections from the file's codes), HF "

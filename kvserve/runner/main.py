@@ -195,10 +195,10 @@ class Worker:
         self.sched = Scheduler(
             model=self.loaded.model, mem=self.mem, layout=self.mem.layout, backend=backend,
             eos_token_ids=self.loaded.eos_token_ids, metrics=self.metrics, workspace=workspace,
+            fault_layer_delay_s=self._layer_delay_s,
             config=SchedulerConfig(max_running=cfg.max_running, max_batch_tokens=cfg.max_batch_tokens,
                                    chunk_size=cfg.chunk_size, seed=cfg.seed),
         )
-        self.sched.fault_layer_delay_s = self._layer_delay_s
         release_freed_memory()  # the load's float copies and the freed dense ones
         self.metrics.set_info(
             model=self.loaded.name, device=self.device, dtype=self.dtype, backend=self.backend_name,

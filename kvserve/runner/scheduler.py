@@ -125,6 +125,7 @@ class Scheduler:
         clock: Callable[[], float] = time.time,
         metrics: Any = None,
         workspace: Any = None,
+        fault_layer_delay_s: float = 0.0,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -144,7 +145,7 @@ class Scheduler:
         self._outbox: list[TokenOut] = []
         self._aborts: list[str] = []
         self.ran_forward = False
-        self.fault_layer_delay_s = 0.0  # test hook (runner main sets it): a sleep before each layer's fence
+        self.fault_layer_delay_s = fault_layer_delay_s  # test hook (runner main's): a sleep before each layer's fence
         self.kv = KVPlanner(layout, max_running=self.config.max_running,
                             max_batch_tokens=self.config.max_batch_tokens,
                             chunk_size=self.config.chunk_size, metrics=metrics)
