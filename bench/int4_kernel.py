@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e_throughput import cpu_flags  # noqa: E402
 
 from kvserve.kernels import native  # noqa: E402
+from kvserve.kernels.native.loader import _load  # noqa: E402
 from kvserve.model.quant import int4_blocks  # noqa: E402
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # qkv, o, gate_up, down: [N, K]
@@ -52,7 +53,7 @@ def main() -> int:
                 dense = (q.float().view(n, k // 32, 32) * scale[..., None] + low[..., None]).view(n, k)
             weights.append((native.Int4Weight(*int4_blocks(q, scale, low)), dense, k))
     evict = torch.randn(8 * 1024 * 1024)
-    print(f"cpu flags: {cpu_flags()}; build {['none', 'AVX-512 VNNI', 'AVX2'][native._load().kvs_int4_available()]}; "
+    print(f"cpu flags: {cpu_flags()}; build {['none', 'AVX-512 VNNI', 'AVX2'][_load().kvs_int4_available()]}; "
           f"threads {torch.get_num_threads()}")
     kinds: dict[str, Callable[[torch.Tensor, tuple], object]] = {"native int4": lambda x, w: w[0](x)}
     if args.dense:

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e_throughput import cpu_flags  # noqa: E402
 
 from kvserve.kernels import native  # noqa: E402
+from kvserve.kernels.native.loader import _load  # noqa: E402
 from kvserve.model.quant import Int8Linear, int8_dequantized  # noqa: E402
 
 VOCAB, HIDDEN = 49152, 576  # SmolLM2-135M's tied embedding
@@ -64,7 +65,7 @@ def main() -> int:
                         int8_dequantized(*lin.groups) if args.dense else None))
     what = "30 layers x 4 projections" if args.projections else f"head [{VOCAB}, {HIDDEN}]"
     evict = torch.randn(8 * 1024 * 1024)
-    print(f"cpu flags: {cpu_flags()}; build {['none', 'AVX-512 VNNI', 'AVX2'][native._load().kvs_int8_available()]}; "
+    print(f"cpu flags: {cpu_flags()}; build {['none', 'AVX-512 VNNI', 'AVX2'][_load().kvs_int8_available()]}; "
           f"threads {torch.get_num_threads()}")
     for rows in args.rows:
         xs = {k: torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) for k in {k for _, k in shapes}}

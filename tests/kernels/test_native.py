@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvserve.kernels import native
+from kvserve.kernels.native import loader
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 
@@ -223,7 +224,7 @@ def test_rows_and_lengths_outside_req_to_token_are_refused(lib, rows, lens, what
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 33, 300])
 def test_rms_norm_rounds_as_torch(lib, dtype, rows, monkeypatch):
-    monkeypatch.setattr(native, "_load", lambda: lib)
+    monkeypatch.setattr(loader, "_load", lambda: lib)
     g = torch.Generator().manual_seed(rows)
     x = (torch.randn(rows, 576, generator=g) * 3).to(dtype)
     w = (torch.rand(576, generator=g) + 0.5).to(dtype)
@@ -242,7 +243,7 @@ def test_rms_norm_rounds_as_torch(lib, dtype, rows, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_row_argmax_is_torchs_first_index_and_flags_the_nonfinite_rows(lib, dtype, monkeypatch):
-    monkeypatch.setattr(native, "_load", lambda: lib)
+    monkeypatch.setattr(loader, "_load", lambda: lib)
     g = torch.Generator().manual_seed(7)
     wide = torch.randn(12, 1100, generator=g).to(dtype)  # 1,000 columns used: not whole blocks of 256
     x = wide[:, :1000]  # rows strided as a view of a wider tensor
@@ -281,7 +282,7 @@ def test_rms_norm_refuses_a_weight_of_another_shape():
 def test_rotary_gives_the_torch_ops_numbers_bit_for_bit(lib, dtype, monkeypatch):
     from kvserve.model.llama import apply_rotary
 
-    monkeypatch.setattr(native, "_load", lambda: lib)
+    monkeypatch.setattr(loader, "_load", lambda: lib)
     g = torch.Generator().manual_seed(7)
     d, heads, tokens = 64, 12, 40
     qkv = (torch.randn(tokens, 15 * d, generator=g) * 2).to(dtype)  # q+k heads, then v
@@ -305,7 +306,7 @@ def test_rotary_refuses_a_position_outside_the_tables():
 
 
 def test_store_rows_puts_strided_rows_at_their_slots(lib, monkeypatch):
-    monkeypatch.setattr(native, "_load", lambda: lib)
+    monkeypatch.setattr(loader, "_load", lambda: lib)
     qkv = torch.arange(5 * 15 * 8, dtype=torch.float32).view(5, 15 * 8).bfloat16()
     v = qkv[:, 12 * 8 :].view(5, 3, 8)  # strided between tokens, each token's row contiguous
     cache = torch.zeros(20, 3, 8, dtype=torch.bfloat16)
@@ -317,7 +318,7 @@ def test_store_rows_puts_strided_rows_at_their_slots(lib, monkeypatch):
 
 
 def test_store_rows_refuses_a_slot_outside_the_cache_and_writes_nothing(lib, monkeypatch):
-    monkeypatch.setattr(native, "_load", lambda: lib)
+    monkeypatch.setattr(loader, "_load", lambda: lib)
     cache = torch.zeros(20, 3, 8)
     with pytest.raises(ValueError, match="slot 20 of token 2 is outside the cache of 20"):
         native.store_rows(torch.ones(3, 3, 8), cache, torch.tensor([0, 1, 20]))

@@ -24,7 +24,7 @@
  * otherwise (float32, and bfloat16 widened by a shift), with a vector exp2.  Other head dims,
  * and CPUs without AVX2, run plain C.
  *
- * Built at run time (kvserve/kernels/native.py); plain C, no torch headers.  Returns 0;
+ * Built at run time (kvserve/kernels/native/loader.py); plain C, no torch headers.  Returns 0;
  * -(1 + b) when batch row b's row of req_to_token or length is out of its bounds (nothing
  * is computed); 1 + b when row b holds a slot index outside the pool (the first such row;
  * nothing is read out of bounds; the output is then undefined).

@@ -26,7 +26,7 @@
  *   KVS_LAYER_POOL         req_to_token names a slot outside the pool (row *err)
  *   KVS_LAYER_INT4         the 4-bit kernel refused (no kernel in this build, or a K it
  *                          does not take; its running out of memory is NO_SCRATCH)
- * Plain C, built with the other kernels (kvserve/kernels/native.py).
+ * Plain C, built with the other kernels (kvserve/kernels/native/loader.py).
  */
 #include <math.h>
 #include <stdint.h>

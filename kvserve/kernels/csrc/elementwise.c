@@ -9,7 +9,7 @@
  * a float32 sum); the rotary rounds each product and then the sum, as x1*cos - x2*sin does
  * in the model dtype (bit for bit: no fused multiply-add, see below).  Rows are split over
  * the OpenMP threads (torch's runtime).  Built with decode_attention.c
- * (kvserve/kernels/native.py); plain C.  (A fused SiLU-and-multiply was tried and dropped:
+ * (kvserve/kernels/native/loader.py); plain C.  (A fused SiLU-and-multiply was tried and dropped:
  * no faster than torch's two ops at 32 rows or 1,024.)
  */
 #include <math.h>
