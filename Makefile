@@ -28,9 +28,10 @@ test: $(STAMP)
 protos: $(STAMP)
 	$(VPY) -m kvserve.v1.generate_stubs
 
-# The comparison with HF transformers and llama-cpp-python; writes its table into README.
+# The comparison with HF transformers and llama-cpp-python; writes its table into
+# docs/benchmarks.md.
 bench: $(STAMP)
-	$(VPY) bench/compare.py --readme $(ARGS)
+	$(VPY) bench/compare.py --docs $(ARGS)
 
 # On a host with a CUDA device: `kvserve serve` on the GPU (two runners over CUDA IPC, HF
 # parity, kill -9 of a runner), compiled kernels, serving throughput in Llama-3.1-8B's shape

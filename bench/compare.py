@@ -9,8 +9,8 @@ where it has native bf16, else float32; HF runs in the same dtype.
 
 Two workloads: fixed (prompt 128, 128 new tokens) and mixed (64 requests, prompts
 32-512, outputs 16-256, seeded uniform). Every request generates exactly its
-max_new_tokens (EOS suppressed everywhere). Prints a table and, with --readme, writes it
-between the bench markers of README.md with the date, the machine and the command.
+max_new_tokens (EOS suppressed everywhere). Prints a table and, with --docs, writes it
+between the bench markers of docs/benchmarks.md with the date, the machine and the command.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "bench"))  # peers.py: the llama.cpp build and the
 import peers  # noqa: E402
 
 from kvserve.model.files import resolve_model  # noqa: E402
-from kvserve.tools.bench import run_one  # noqa: E402
+from kvserve.tools.bench_grpc import run_one  # noqa: E402
 from kvserve.tools.bench_report import Record, percentile  # noqa: E402
 
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
@@ -190,14 +190,16 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_readme(text: str) -> None:
-    readme = ROOT / "README.md"
-    body = readme.read_text()
+DOC = ROOT / "docs" / "benchmarks.md"
+
+
+def write_doc(text: str) -> None:
+    body = DOC.read_text()
     if BEGIN not in body or END not in body:
-        raise SystemExit(f"README.md has no {BEGIN} ... {END} markers")
+        raise SystemExit(f"{DOC} has no {BEGIN} ... {END} markers")
     pre, rest = body.split(BEGIN, 1)
     _, post = rest.split(END, 1)
-    readme.write_text(f"{pre}{BEGIN}\n{text}\n{END}{post}")
+    DOC.write_text(f"{pre}{BEGIN}\n{text}\n{END}{post}")
 
 
 def main() -> int:
@@ -211,7 +213,7 @@ def main() -> int:
     p.add_argument("--mixed-concurrency", default="8,32", help="kvserve concurrencies on the mixed workload")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     p.add_argument("--serve-args", default="", help="extra flags for kvserve serve")
-    p.add_argument("--readme", action="store_true", help="write the table into README.md")
+    p.add_argument("--docs", action="store_true", help="write the table into docs/benchmarks.md")
     p.add_argument("--json", help="write raw results here")
     args = p.parse_args()
     from kvserve.config.devices import resolve_dtype
@@ -281,8 +283,8 @@ def main() -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"rows": rows, "results": results}, indent=1))
-    if args.readme:
-        write_readme(text)
+    if args.docs:
+        write_doc(text)
     return 0
 
 
