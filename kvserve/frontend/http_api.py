@@ -8,29 +8,48 @@ server-sent events), their /render twins (the token ids a router hashes), POST /
 checks, limits, metrics and runners behind both faces. Errors are OpenAI error objects
 (`{"error": {"message", "type", "param", "code"}}`) whose param names the OpenAI field.
 
+The routes and handlers are here; beside them are `http_request` (the bodies as proto
+messages), `http_stream` (the response shapes, server-sent events), `http_errors` (the
+error objects and status codes) and `http_guard` (token, body size and in-flight limits).
+
 Knows HTTP, the OpenAI shapes and the proto's request message; nothing about runners.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from contextlib import suppress
 from typing import Any
 
-import msgspec
 import pydantic
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvserve import __version__
 from kvserve.config.frontend import FrontendConfig
+from kvserve.frontend.http_errors import (
+    HTTPError,
+    _grpc_name,
+    _rejected,
+    _unsupported,
+    _validation_error,
+    error_body,
+)
+from kvserve.frontend.http_guard import _Guard
+from kvserve.frontend.http_request import _chat, _prompts, _sampling
+from kvserve.frontend.http_stream import (
+    SSE_DONE,
+    _ChatFormat,
+    _CompletionFormat,
+    _encode,
+    _EventStream,
+    _Format,
+    _unless_disconnected,
+)
 from kvserve.frontend.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -38,19 +57,12 @@ from kvserve.frontend.openai_models import (
     TokenizeRequest,
     _Sampling,
 )
-from kvserve.frontend.requests import Call, Rejected, RequestPath, Step, Usage
+from kvserve.frontend.requests import Call, Rejected, RequestPath, Step
 from kvserve.frontend.validation import MAX_LOGPROBS, InvalidArgument, check_ids, prompt_ids
-from kvserve.messages.frontend_runner import TokenLogprob
 from kvserve.v1 import generator_pb2 as pb
 
 log = logging.getLogger("kvserve.frontend")
 
-OPEN_PATHS = ("/health",)
-"""Served without the bearer token: routers poll /health without credentials."""
-STATUS = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429,
-          "INTERNAL": 500, "UNAVAILABLE": 503}
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
 KNOWN_IGNORED = frozenset((
     "echo", "no_stop_trim", "skip_special_tokens", "spaces_between_special_tokens", "return_hidden_states",
     "separate_reasoning", "stream_reasoning", "include_reasoning", "include_stop_str_in_output",
@@ -60,113 +72,6 @@ KNOWN_IGNORED = frozenset((
     "tool_choice", "service_tier", "regex", "json_schema", "ebnf", "session_params", "rid",
 ))
 """Fields kvserve does not use, counted under their own name; any other counts as "other"."""
-SSE_DONE = b"data: [DONE]\n\n"
-_encode = msgspec.json.Encoder().encode
-
-
-class HTTPError(Exception):
-    """An answer other than 200: the status, and the OpenAI error object's fields."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 counted: bool = False) -> None:
-        super().__init__(message)
-        self.status = status
-        self.param = param
-        self.code = code
-        self.counted = counted  # already in kvserve_request_errors_total (the request path counted it)
-
-
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param,
-                      "code": code}}
-
-
-def _param(field: str, chat: bool) -> str:
-    """The OpenAI name of a field that validation named by its proto path."""
-    if field.startswith("sampling."):
-        rest = field[len("sampling."):]
-        if rest.startswith("max_new_tokens"):
-            return "max_completion_tokens" if chat else "max_tokens"
-        if rest.startswith("logprobs"):
-            return "top_logprobs" if chat else "logprobs"
-        return rest
-    for proto, http in (("prompt.chat.messages", "messages"), ("input.chat.messages", "messages"),
-                        ("prompt.chat", "messages"), ("input.chat", "messages"),
-                        ("prompt.token_ids", "prompt"), ("prompt.text", "prompt"), ("input.text", "prompt")):
-        if field.startswith(proto):
-            return http + field[len(proto):]
-    if field in ("prompt", "input"):
-        return "messages" if chat else "prompt"
-    return field
-
-
-def _rejected(exc: Rejected, chat: bool) -> HTTPError:
-    message = str(exc)
-    param = None
-    if exc.field:
-        param = _param(exc.field, chat)
-        if message.startswith(exc.field + ":"):
-            message = param + message[len(exc.field):]
-    return HTTPError(STATUS.get(exc.code, 500), message, param, exc.code.lower(), counted=True)
-
-
-def _validation_error(exc: pydantic.ValidationError) -> HTTPError:
-    err = exc.errors(include_url=False)[0]
-    if err["type"] == "json_invalid":
-        return HTTPError(400, f"malformed JSON body: {err['ctx']['error']}", None, "invalid_json")
-    loc = [str(p) for p in err["loc"] if isinstance(p, int) or not _is_union_tag(str(p))]
-    if not loc:
-        return HTTPError(400, "the body must be a JSON object", None, "invalid_body")
-    param = loc[0] + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in loc[1:])
-    return HTTPError(400, f"{param}: {err['msg']}", param, "invalid_value")
-
-
-def _is_union_tag(part: str) -> bool:
-    """Pydantic names the union member it tried inside an error's location (`list[int]`, `str`)."""
-    return "[" in part or part in ("str", "int", "float", "bool", "dict", "list", "TextPart")
-
-
-def _unsupported(param: str, what: str) -> HTTPError:
-    return HTTPError(400, f"{param}: {what} is not supported by kvserve", param, "unsupported")
-
-
-def _sampling(body: _Sampling, max_tokens: int | None, logprobs: int) -> pb.SamplingParams:
-    """The OpenAI/vLLM sampling fields as kvserve's (range checks come later, in validation)."""
-    s = pb.SamplingParams(stop=body.stops(), stop_token_ids=body.stop_token_ids or [],
-                          ignore_eos=body.ignore_eos, logprobs=logprobs)
-    s.temperature = 1.0 if body.temperature is None else body.temperature  # OpenAI's default
-    for name in ("top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
-        value = getattr(body, name)
-        if value is not None:
-            setattr(s, name, value)
-    if body.top_k is not None:
-        s.top_k = max(body.top_k, 0)  # vLLM spells "off" -1, kvserve 0
-    if body.seed is not None:
-        s.seed = body.seed % 2**64
-    if max_tokens is not None:
-        s.max_new_tokens = max_tokens
-    return s
-
-
-def _chat(messages: list, add_generation_prompt: bool) -> pb.Chat:
-    chat = pb.Chat(add_generation_prompt=add_generation_prompt)
-    for i, m in enumerate(messages):
-        content = m.content
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if isinstance(part, dict):  # a part of another type (image, audio, ...)
-                    raise _unsupported(f"messages[{i}].content[{j}]", f"a content part of type "
-                                                                      f"{part.get('type')!r}")
-                texts.append(part.text)
-            content = "\n".join(texts)
-        chat.messages.add(role="system" if m.role == "developer" else m.role, content=content or "")
-    return chat
-
-
-def _usage(u: Usage) -> dict:
-    return {"prompt_tokens": u.prompt, "completion_tokens": u.completion, "total_tokens": u.prompt + u.completion,
-            "prompt_tokens_details": {"cached_tokens": u.cached}}
 
 
 class OpenAIFace:
@@ -296,7 +201,7 @@ class OpenAIFace:
 
     async def render_completion(self, request: Request) -> dict | list:
         body: CompletionRequest = await self._parse(request, CompletionRequest)
-        prompts = self._prompts(body)
+        prompts = _prompts(body)
         rendered = [{"token_ids": await self._ids(prompt_ids, p, "prompt", False)} for p in prompts]
         return rendered[0] if len(rendered) == 1 else rendered
 
@@ -304,16 +209,6 @@ class OpenAIFace:
         body: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
         req = pb.GenerateRequest(chat=_chat(body.messages, body.add_generation_prompt))
         return {"token_ids": await self._ids(prompt_ids, req, "prompt", True)}
-
-    @staticmethod
-    def _prompts(body: CompletionRequest) -> list[pb.GenerateRequest]:
-        p = body.prompt
-        if isinstance(p, str):
-            return [pb.GenerateRequest(text=p)]
-        if not p or isinstance(p[0], int):
-            return [pb.GenerateRequest(token_ids=pb.TokenIds(ids=p))]  # type: ignore[arg-type]
-        return [pb.GenerateRequest(text=x) if isinstance(x, str) else pb.GenerateRequest(token_ids=pb.TokenIds(ids=x))
-                for x in p]
 
     # -- generation -------------------------------------------------------------------------
 
@@ -326,7 +221,7 @@ class OpenAIFace:
             raise _unsupported("best_of", "best_of > 1")
         if body.suffix:
             raise _unsupported("suffix", "suffix")
-        prompts = self._prompts(body)
+        prompts = _prompts(body)
         if len(prompts) != 1:
             raise HTTPError(400, f"prompt: {len(prompts)} prompts in one request; kvserve takes one per "
                                  "request (send them as separate requests)", "prompt", "unsupported")
@@ -404,231 +299,3 @@ class OpenAIFace:
         finally:
             self.path.close(call)
         return Response(_encode(fmt.whole(steps)), media_type="application/json")
-
-
-# -- response shapes --------------------------------------------------------------------------
-
-
-class _Format:
-    """How one endpoint writes its chunks and its whole response."""
-
-    object_name = ""
-
-    def __init__(self, face: OpenAIFace, prefix: str, top: int | None) -> None:
-        self.face = face
-        self.id = prefix + uuid.uuid4().hex
-        self.created = int(time.time())
-        self.top = top  # None: no logprobs; else the number of alternatives per token
-        self._offset = 0
-
-    def _head(self, object_name: str) -> dict:
-        return {"id": self.id, "object": object_name, "created": self.created, "model": self.face.model}
-
-    def _token(self, tid: int) -> str:
-        return self.face.tok.decode([tid])
-
-    def first_event(self) -> bytes:
-        return b""
-
-    def usage_chunk(self, usage: Usage) -> dict:
-        return self._head(self.chunk_object) | {"choices": [], "usage": _usage(usage)}
-
-    chunk_object = ""
-
-    def chunk(self, step: Step) -> dict:
-        raise NotImplementedError
-
-    def whole(self, steps: list[Step]) -> dict:
-        raise NotImplementedError
-
-
-class _CompletionFormat(_Format):
-    chunk_object = "text_completion"
-
-    def _logprobs(self, token_ids: list[int], lps: list[TokenLogprob], text: str) -> dict | None:
-        if self.top is None:
-            return None
-        tokens = [self._token(t) for t in token_ids]
-        offsets = []
-        for t in tokens:
-            offsets.append(self._offset)
-            self._offset += len(t)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [{self._token(i): v for i, v in zip(lp.top_ids[:self.top], lp.top_logprobs,
-                                                                      strict=False)} for lp in lps],
-                "text_offset": offsets}
-
-    def chunk(self, step: Step) -> dict:
-        return self._head("text_completion") | {"choices": [{
-            "index": 0, "text": step.text, "logprobs": self._logprobs(step.token_ids, step.logprobs, step.text),
-            "finish_reason": step.finish_reason or None}]}
-
-    def whole(self, steps: list[Step]) -> dict:
-        last = steps[-1]
-        ids = [t for s in steps for t in s.token_ids]
-        lps = [lp for s in steps for lp in s.logprobs]
-        return self._head("text_completion") | {
-            "choices": [{"index": 0, "text": "".join(s.text for s in steps),
-                         "logprobs": self._logprobs(ids, lps, ""), "finish_reason": last.finish_reason}],
-            "usage": _usage(last.usage or Usage(0)),
-        }
-
-
-class _ChatFormat(_Format):
-    chunk_object = "chat.completion.chunk"
-
-    def _logprobs(self, token_ids: list[int], lps: list[TokenLogprob]) -> dict | None:
-        if self.top is None:
-            return None
-
-        def entry(tid: int, logprob: float) -> dict:
-            token = self._token(tid)
-            return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
-
-        return {"content": [entry(t, lp.logprob) | {"top_logprobs": [
-            entry(i, v) for i, v in zip(lp.top_ids[:self.top], lp.top_logprobs, strict=False)]}
-            for t, lp in zip(token_ids, lps, strict=False)]}
-
-    def first_event(self) -> bytes:
-        head = self._head(self.chunk_object) | {"choices": [{
-            "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
-        return b"data: " + _encode(head) + b"\n\n"
-
-    def chunk(self, step: Step) -> dict:
-        return self._head(self.chunk_object) | {"choices": [{
-            "index": 0, "delta": {"content": step.text} if step.text else {},
-            "logprobs": self._logprobs(step.token_ids, step.logprobs), "finish_reason": step.finish_reason or None}]}
-
-    def whole(self, steps: list[Step]) -> dict:
-        last = steps[-1]
-        ids = [t for s in steps for t in s.token_ids]
-        lps = [lp for s in steps for lp in s.logprobs]
-        return self._head("chat.completion") | {
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(s.text for s in steps)},
-                         "logprobs": self._logprobs(ids, lps), "finish_reason": last.finish_reason}],
-            "usage": _usage(last.usage or Usage(0)),
-        }
-
-
-# -- transport helpers ------------------------------------------------------------------------
-
-
-class _EventStream(StreamingResponse):
-    """Server-sent events that always release their request, even when the client left before
-    the first event (then the generator never ran, and its own cleanup with it)."""
-
-    def __init__(self, events: AsyncIterator[bytes], release: Callable[[], None]) -> None:
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
-        self._release = release
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._release()
-            with suppress(Exception):
-                await self.body_iterator.aclose()  # type: ignore[attr-defined]
-
-
-async def _unless_disconnected(request: Request, work: Any) -> Response:
-    """Await `work`, cancelling it (and so aborting its request) if the client disconnects."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnected(request.receive))
-    try:
-        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-            with suppress(asyncio.CancelledError):
-                await task  # its cleanup aborts the request
-    if task.cancelled():
-        return Response(status_code=499)  # nobody reads it: the client is gone
-    return task.result()
-
-
-async def _disconnected(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-def _grpc_name(status: int) -> str:
-    """The gRPC status name an HTTP error counts under in kvserve_request_errors_total."""
-    for name, code in STATUS.items():
-        if code == status:
-            return name
-    return {413: "RESOURCE_EXHAUSTED", 405: "NOT_FOUND"}.get(status, "INTERNAL" if status >= 500 else
-                                                             "INVALID_ARGUMENT")
-
-
-class _Guard:
-    """ASGI middleware in front of the app: the bearer token (not for /health), the body size
-    limit (413, checked while reading, so a big body costs no memory past the limit) and the
-    number of requests in progress (429)."""
-
-    def __init__(self, app: ASGIApp, cfg: FrontendConfig, token: str,
-                 error: Callable[[int, str, str | None, str | None], JSONResponse]) -> None:
-        self.app = app
-        self.cfg = cfg
-        self.token = token.encode()
-        self.error = error
-        self.in_progress = 0
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = dict(scope["headers"])
-        if self.token and scope["path"] not in OPEN_PATHS:
-            got = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(got, b"Bearer " + self.token):
-                await self.error(401, "missing or wrong bearer token (Authorization: Bearer ...)", None,
-                                 "invalid_api_key")(scope, receive, send)
-                return
-        if self.in_progress >= self.cfg.max_concurrent_rpcs:
-            await self.error(429, f"too many requests in progress (limit {self.cfg.max_concurrent_rpcs}, "
-                                  "max_concurrent_rpcs)", None, "overloaded")(scope, receive, send)
-            return
-        limit = self.cfg.max_message_bytes
-        declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            await self._too_large(int(declared), scope, receive, send)
-            return
-        self.in_progress += 1
-        try:
-            chunks, size = [], 0
-            while True:
-                message = await receive()
-                if message["type"] != "http.request":
-                    return  # the client left before its body was in
-                chunk = message.get("body", b"")
-                size += len(chunk)
-                if size > limit:
-                    await self._too_large(size, scope, receive, send)
-                    return
-                chunks.append(chunk)
-                if not message.get("more_body", False):
-                    break
-            await self.app(scope, _replay(b"".join(chunks), receive), send)
-        finally:
-            self.in_progress -= 1
-
-    async def _too_large(self, size: int, scope: Scope, receive: Receive, send: Send) -> None:
-        await self.error(413, f"the request body has {size} bytes or more, more than the limit of "
-                              f"{self.cfg.max_message_bytes} (max_message_bytes)", None,
-                         "body_too_large")(scope, receive, send)
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """A `receive` that gives the buffered body once, then waits on the client (disconnect)."""
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay

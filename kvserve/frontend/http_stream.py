@@ -1,0 +1,182 @@
+"""The HTTP face's responses: the OpenAI completion and chat shapes (whole, or chunk by chunk
+as server-sent events, with logprobs and usage), the event stream that always releases its
+request, and the wait that aborts a request when its client disconnects.
+
+Knows the OpenAI response shapes, SSE and ASGI; nothing about request bodies, routes or
+runners (a format reads only the served model's name and tokenizer from its face).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import suppress
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from kvserve.frontend.requests import Step, Usage
+from kvserve.messages.frontend_runner import TokenLogprob
+
+if TYPE_CHECKING:
+    from kvserve.frontend.http_api import OpenAIFace
+
+SSE_DONE = b"data: [DONE]\n\n"
+_encode = msgspec.json.Encoder().encode
+
+
+def _usage(u: Usage) -> dict:
+    return {"prompt_tokens": u.prompt, "completion_tokens": u.completion, "total_tokens": u.prompt + u.completion,
+            "prompt_tokens_details": {"cached_tokens": u.cached}}
+
+
+# -- response shapes --------------------------------------------------------------------------
+
+
+class _Format:
+    """How one endpoint writes its chunks and its whole response."""
+
+    object_name = ""
+
+    def __init__(self, face: OpenAIFace, prefix: str, top: int | None) -> None:
+        self.face = face
+        self.id = prefix + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.top = top  # None: no logprobs; else the number of alternatives per token
+        self._offset = 0
+
+    def _head(self, object_name: str) -> dict:
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.face.model}
+
+    def _token(self, tid: int) -> str:
+        return self.face.tok.decode([tid])
+
+    def first_event(self) -> bytes:
+        return b""
+
+    def usage_chunk(self, usage: Usage) -> dict:
+        return self._head(self.chunk_object) | {"choices": [], "usage": _usage(usage)}
+
+    chunk_object = ""
+
+    def chunk(self, step: Step) -> dict:
+        raise NotImplementedError
+
+    def whole(self, steps: list[Step]) -> dict:
+        raise NotImplementedError
+
+
+class _CompletionFormat(_Format):
+    chunk_object = "text_completion"
+
+    def _logprobs(self, token_ids: list[int], lps: list[TokenLogprob], text: str) -> dict | None:
+        if self.top is None:
+            return None
+        tokens = [self._token(t) for t in token_ids]
+        offsets = []
+        for t in tokens:
+            offsets.append(self._offset)
+            self._offset += len(t)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [{self._token(i): v for i, v in zip(lp.top_ids[:self.top], lp.top_logprobs,
+                                                                      strict=False)} for lp in lps],
+                "text_offset": offsets}
+
+    def chunk(self, step: Step) -> dict:
+        return self._head("text_completion") | {"choices": [{
+            "index": 0, "text": step.text, "logprobs": self._logprobs(step.token_ids, step.logprobs, step.text),
+            "finish_reason": step.finish_reason or None}]}
+
+    def whole(self, steps: list[Step]) -> dict:
+        last = steps[-1]
+        ids = [t for s in steps for t in s.token_ids]
+        lps = [lp for s in steps for lp in s.logprobs]
+        return self._head("text_completion") | {
+            "choices": [{"index": 0, "text": "".join(s.text for s in steps),
+                         "logprobs": self._logprobs(ids, lps, ""), "finish_reason": last.finish_reason}],
+            "usage": _usage(last.usage or Usage(0)),
+        }
+
+
+class _ChatFormat(_Format):
+    chunk_object = "chat.completion.chunk"
+
+    def _logprobs(self, token_ids: list[int], lps: list[TokenLogprob]) -> dict | None:
+        if self.top is None:
+            return None
+
+        def entry(tid: int, logprob: float) -> dict:
+            token = self._token(tid)
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+        return {"content": [entry(t, lp.logprob) | {"top_logprobs": [
+            entry(i, v) for i, v in zip(lp.top_ids[:self.top], lp.top_logprobs, strict=False)]}
+            for t, lp in zip(token_ids, lps, strict=False)]}
+
+    def first_event(self) -> bytes:
+        head = self._head(self.chunk_object) | {"choices": [{
+            "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
+        return b"data: " + _encode(head) + b"\n\n"
+
+    def chunk(self, step: Step) -> dict:
+        return self._head(self.chunk_object) | {"choices": [{
+            "index": 0, "delta": {"content": step.text} if step.text else {},
+            "logprobs": self._logprobs(step.token_ids, step.logprobs), "finish_reason": step.finish_reason or None}]}
+
+    def whole(self, steps: list[Step]) -> dict:
+        last = steps[-1]
+        ids = [t for s in steps for t in s.token_ids]
+        lps = [lp for s in steps for lp in s.logprobs]
+        return self._head("chat.completion") | {
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(s.text for s in steps)},
+                         "logprobs": self._logprobs(ids, lps), "finish_reason": last.finish_reason}],
+            "usage": _usage(last.usage or Usage(0)),
+        }
+
+
+# -- transport helpers ------------------------------------------------------------------------
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that always release their request, even when the client left before
+    the first event (then the generator never ran, and its own cleanup with it)."""
+
+    def __init__(self, events: AsyncIterator[bytes], release: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+        self._release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+            with suppress(Exception):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+async def _unless_disconnected(request: Request, work: Any) -> Response:
+    """Await `work`, cancelling it (and so aborting its request) if the client disconnects."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request.receive))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            with suppress(asyncio.CancelledError):
+                await task  # its cleanup aborts the request
+    if task.cancelled():
+        return Response(status_code=499)  # nobody reads it: the client is gone
+    return task.result()
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
