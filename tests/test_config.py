@@ -221,7 +221,7 @@ def test_config_package_is_stdlib_only() -> None:
 
 @pytest.mark.parametrize("text", ["x", "-0.1", "2", "nan"])
 def test_fault_layer_delay_is_checked(text: str) -> None:
-    from kvserve.runner.main import _layer_delay
+    from kvserve.runner.faults import _layer_delay
 
     assert _layer_delay("") == 0.0 and _layer_delay("0.004") == 0.004
     with pytest.raises(ConfigError, match=rf"KVSERVE_FAULT_LAYER_DELAY_S='{text}': want seconds from 0 to 1"):

@@ -1,2 +1,2 @@
-"""The runner process (`kvserve runner`): worker loop (`main`), scheduler, batching,
+"""The runner process (`kvserve runner`): worker loop (`worker`), scheduler, batching,
 requests and sampling, between the frontend and memsvc."""

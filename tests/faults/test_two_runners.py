@@ -33,7 +33,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvserve.runner.main import CRASH_ON_TOKEN_ENV, LAYER_DELAY_ENV
+from kvserve.runner.faults import CRASH_ON_TOKEN_ENV, LAYER_DELAY_ENV
 from kvserve.v1 import generator_pb2 as pb
 
 from ..runner.runner_procs import write_sharp_tiny_model

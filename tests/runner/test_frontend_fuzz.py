@@ -26,9 +26,9 @@ from hypothesis.stateful import (
 from kvserve.config.runner import RunnerConfig
 from kvserve.kernels import get_backend
 from kvserve.messages.frontend_runner import DOWN, AbortReq, GenerateReq, SamplingParams
-from kvserve.runner.main import Worker
 from kvserve.runner.metrics import RunnerMetrics
 from kvserve.runner.scheduler import Scheduler, SchedulerConfig
+from kvserve.runner.worker import Worker
 from tests.stateful import drive
 
 from .runner_procs import attached, load_sharp_tiny, memsvc_args, memsvc_process

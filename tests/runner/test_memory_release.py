@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from kvserve.runner.main import release_freed_memory
+from kvserve.runner.heap import release_freed_memory
 
 
 def resident_mib() -> float:

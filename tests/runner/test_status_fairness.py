@@ -17,7 +17,7 @@ import zmq
 
 from kvserve.config.runner import RunnerConfig
 from kvserve.messages.frontend_runner import RunnerStatus
-from kvserve.runner.main import Worker
+from kvserve.runner.worker import Worker
 
 
 class CountingLock:

@@ -13,14 +13,10 @@ import threading
 
 import pytest
 
-from kvserve.tools.bench import (
-    _parse_range,
-    build_parser,
-    main,
-    make_workloads,
-    parse_completion_stream,
-)
+from kvserve.tools.bench import build_parser, main
+from kvserve.tools.bench_openai import parse_completion_stream
 from kvserve.tools.bench_report import Record, format_table, plot, summarize
+from kvserve.tools.bench_workload import _parse_range, make_workloads
 
 
 def _args(*argv: str) -> argparse.Namespace:
