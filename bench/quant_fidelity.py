@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"cpu flags: {results['cpu_flags']}  threads: {results['threads']}  ops: {results['ops']}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(results, indent=1))
+        Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
 
 
