@@ -22,8 +22,12 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/kvserve serve $(ARGS)
 
+# The suite on TEST_WORKERS processes (pytest-xdist), a test file per worker at a time so
+# that a module's shared services stay in one process; most tests wait on the processes
+# they start, so two workers pay on two cores; TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(VPY) -m pytest -q $(PYTEST_ARGS)
+	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 protos: $(STAMP)
 	$(VPY) -m kvserve.v1.generate_stubs
