@@ -1,4 +1,4 @@
-"""The host and disk tiers below the pool (kvserve/memsvc/tiers.py), in process: what leaves
+"""The host and disk tiers below the pool (kvserve/memsvc/tiers/), in process: what leaves
 the pool comes back with the same KV, the disk survives its memsvc, and a torn, corrupted,
 foreign or contended file or directory is refused, never served."""
 
