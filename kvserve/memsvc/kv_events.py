@@ -94,7 +94,7 @@ class BlockEvents:
     def removed(self, tokens: np.ndarray, start: int) -> None:
         self._queue(False, tokens, start)
 
-    # ---- the tiers below the pool (kvserve.memsvc.tiers.TierListener) ----------------------
+    # ---- the tiers below the pool (kvserve.memsvc.tiers.blocks.TierListener) ----------------------
     def chain(self, tokens: np.ndarray, first: int, last: int) -> tuple[bytes | None, list[bytes]]:
         """(hash of block first-1 or None, hashes of blocks first..last-1) of `tokens`."""
         return self._hashes(np.array(tokens[: last * self.block_size], dtype="<u4"), first, last)

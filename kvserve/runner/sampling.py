@@ -6,10 +6,12 @@ request fails); repetition / presence / frequency penalties on the logits; greed
 (temperature below `GREEDY_TEMPERATURE`) take the argmax; the others are divided by
 their temperature, filtered by top-k, then top-p, then min-p, and sampled by an
 exponential race (``argmax(p / E)``, ``E ~ Exp(1)``), which picks token i with
-probability p_i. A seeded request draws its noise from its own `torch.Generator`, one
-full-vocabulary draw per sampled token, so its output does not depend on what else is
-in the batch or on the runner. Unseeded requests share the sampler's generator, seeded
-from fresh entropy unless a seed is given. Logprobs are those of the model's raw
+probability p_i. A seeded request's noise for its n-th output token is one
+full-vocabulary draw from a generator seeded with a hash of (seed, n) (`draw_seed`): a
+function of the seed and the position alone, so its output depends neither on what else
+is in the batch, nor on the runner, nor on how many draws came before (a preempted and
+recomputed request, or one resumed elsewhere, draws again what it drew). Unseeded
+requests share the sampler's generator, seeded from fresh entropy unless a seed is given. Logprobs are those of the model's raw
 distribution (log-softmax of the unprocessed logits), the sampled token's and the top-n.
 
 Every step is kept finite whatever the (validated) parameters: penalized logits are
@@ -20,6 +22,7 @@ requests' lifecycles, memsvc or sockets.
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -82,7 +85,8 @@ class SampleRow:
     """What the sampler needs to know about one row of the logits."""
 
     params: SamplingParams
-    generator: torch.Generator | None = None  # set for seeded requests
+    seed: int | None = None  # set for seeded sampled requests
+    index: int = 0  # which output token of the request this row draws (the scheduler sets it)
     penalties: PenaltyState | None = None  # set when needs_penalties(params)
 
 
@@ -95,13 +99,27 @@ class SampleOutput:
     nonfinite: list[bool]  # the row's logits held NaN or inf: not sampled
 
 
+def _check_seed(seed: int) -> None:
+    if not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
+        raise ValueError(f"seed {seed} is outside [-2**63, 2**64)")
+
+
+def draw_seed(seed: int, index: int) -> int:
+    """The generator seed of a seeded request's draw for its `index`-th output token (from
+    0): 64 bits of BLAKE2b over the seed and the index, so neighbouring seeds and indices
+    give unrelated streams."""
+    _check_seed(seed)
+    data = (seed & 0xFFFF_FFFF_FFFF_FFFF).to_bytes(8, "little") + index.to_bytes(8, "little")
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:
-    """A generator for one seeded request (its whole sampling stream), or, with `seed`
-    None, one seeded from fresh entropy (`secrets`), different in every process."""
+    """The generator unseeded sampled requests share: seeded with `seed`, or with `seed`
+    None from fresh entropy (`secrets`), different in every process."""
     if seed is None:
         seed = secrets.randbits(64)
-    elif not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
-        raise ValueError(f"seed {seed} is outside [-2**63, 2**64)")
+    else:
+        _check_seed(seed)
     gen = torch.Generator(device=device)
     gen.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
     return gen
@@ -165,8 +183,8 @@ def filter_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 class Sampler:
     """Samples one token per row of a step's logits. Holds the generator that unseeded
     sampled requests share (seeded with `seed`, or from fresh entropy when it is None, so
-    that two runners never draw the same "random" tokens); seeded requests bring their
-    own (`SampleRow.generator`)."""
+    that two runners never draw the same "random" tokens); a seeded request's draws come
+    from a generator seeded anew for each of them (`draw_seed`)."""
 
     def __init__(self, *, device: torch.device | str = "cpu", seed: int | None = None,
                  argmax: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None] | None = None) -> None:
@@ -175,6 +193,7 @@ class Sampler:
         value, whether the row is all finite), or None where it does not take them."""
         self.device = torch.device(device)
         self.generator = make_generator(seed, self.device)
+        self._keyed = torch.Generator(device=self.device)  # reseeded for each seeded draw
         self.argmax = argmax
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleOutput:
@@ -249,7 +268,7 @@ class Sampler:
             min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
             probs = filter_min_p(probs, min_p)
         noise = torch.empty_like(probs)
-        shared = [j for j, i in enumerate(idx_list) if rows[i].generator is None]
+        shared = [j for j, i in enumerate(idx_list) if rows[i].seed is None]
         if shared:
             draw = torch.empty(len(shared), probs.shape[1], device=dev)
             draw.exponential_(generator=self.generator)
@@ -258,9 +277,10 @@ class Sampler:
             else:
                 noise[shared] = draw
         for j, i in enumerate(idx_list):
-            gen = rows[i].generator
-            if gen is not None:
-                noise[j].exponential_(generator=gen)
+            row = rows[i]
+            if row.seed is not None:
+                self._keyed.manual_seed(draw_seed(row.seed, row.index))
+                noise[j].exponential_(generator=self._keyed)
         # A draw of exactly 0 would make p / E inf, or NaN (the maximum) for a filtered token.
         return (probs / noise.clamp_(min=FLOAT32_TINY)).argmax(dim=-1)
 

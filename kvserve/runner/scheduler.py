@@ -46,7 +46,6 @@ from kvserve.runner.sampling import (
     Sampler,
     SampleRow,
     is_greedy,
-    make_generator,
     needs_penalties,
 )
 
@@ -179,9 +178,7 @@ class Scheduler:
             self._outbox.append(refused)
             return
         stop = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_ids))
-        row = SampleRow(p)
-        if p.seed is not None and not is_greedy(p):
-            row.generator = make_generator(p.seed, self.device)
+        row = SampleRow(p, seed=p.seed if not is_greedy(p) else None)
         if needs_penalties(p):
             row.penalties = PenaltyState.create(msg.token_ids, self.vocab_size, self.device)
         n = len(msg.token_ids)
@@ -305,6 +302,8 @@ class Scheduler:
                 self.kv.commit(req)
         out: list[TokenOut] = []
         if batch.sampling:
+            for r in batch.sampling:
+                r.sample_row.index = len(r.tokens) - r.prompt_len  # the output token it draws
             sampled = self.sampler.sample(logits, [r.sample_row for r in batch.sampling])
             for req, tok, lp, bad in zip(batch.sampling, sampled.token_ids, sampled.logprobs,
                                          sampled.nonfinite, strict=True):

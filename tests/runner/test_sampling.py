@@ -14,6 +14,7 @@ from kvserve.runner.sampling import (
     Sampler,
     SampleRow,
     apply_penalties,
+    draw_seed,
     filter_min_p,
     filter_top_k_top_p,
     make_generator,
@@ -200,12 +201,11 @@ def test_sampling_frequencies_match_distribution() -> None:
 
 def _seeded_stream(seed: int, logits: torch.Tensor, others: int, steps: int = 20) -> list[int]:
     """Sample `steps` tokens for a seeded request at row 0 with `others` unseeded rows."""
-    gen = make_generator(seed, "cpu")
     sampler = Sampler(seed=others)
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=seed)
     out = []
-    for _ in range(steps):
-        rows = [SampleRow(params, generator=gen)] + [SampleRow(SamplingParams(temperature=1.0))] * others
+    for index in range(steps):
+        rows = [SampleRow(params, seed=seed, index=index)] + [SampleRow(SamplingParams(temperature=1.0))] * others
         batch = torch.cat([logits[None], torch.randn(others, logits.shape[0])])
         out.append(sampler.sample(batch, rows).token_ids[0])
     return out
@@ -217,6 +217,30 @@ def test_seeded_request_is_independent_of_batch() -> None:
     assert _seeded_stream(1234, logits, others=5) == alone
     assert _seeded_stream(1234, logits, others=2) == alone
     assert _seeded_stream(99, logits, others=0) != alone
+
+
+def test_a_seeded_draw_is_a_function_of_seed_and_position_alone() -> None:
+    """The draw for output token n is the same whatever was drawn before it, on whichever
+    sampler: a request preempted and recomputed, or resumed on another runner, draws again
+    what it drew; and it is another draw at another position."""
+    logits = torch.zeros(1, 1000)  # uniform: the token is the draw's argmin, 1 in 1000
+    params = SamplingParams(temperature=1.0, seed=42)
+    stream = _seeded_stream(42, logits[0], others=0, steps=12)
+    fresh = Sampler(seed=3)
+    for _ in range(5):  # other draws first: the shared generator and other seeds
+        fresh.sample(logits, [SampleRow(SamplingParams(temperature=1.0))])
+        fresh.sample(logits, [SampleRow(SamplingParams(temperature=1.0, seed=7), seed=7, index=0)])
+    later = [fresh.sample(logits, [SampleRow(params, seed=42, index=i)]).token_ids[0] for i in (11, 4, 0)]
+    assert later == [stream[11], stream[4], stream[0]]
+    assert len(set(stream)) > 8, stream  # 12 positions, 12 draws: not one draw repeated
+
+
+def test_draw_seeds_differ_across_seeds_and_positions() -> None:
+    seeds = {draw_seed(seed, index) for seed in (0, 1, 2, 2**64 - 1, -(2**63)) for index in range(50)}
+    assert len(seeds) == 250
+    assert draw_seed(-1, 3) == draw_seed(2**64 - 1, 3)  # the same 64-bit seed, as torch takes it
+    with pytest.raises(ValueError, match="seed 18446744073709551616 is outside"):
+        draw_seed(2**64, 0)
 
 
 def test_mixed_greedy_and_sampled_rows() -> None:

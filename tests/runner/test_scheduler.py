@@ -137,9 +137,14 @@ def test_prefix_hit_equals_cold(tiny: Any, roomy: str) -> None:
         assert tokens_of(rechunked)[f"k{i}"] == tokens_of(cold)[f"c{i}"]
 
 
-def test_preempted_requests_match_undisturbed(tiny: Any, roomy: str, run_dir: Path) -> None:
+@pytest.mark.parametrize("params", [
+    greedy(max_new=32),
+    # a seeded request draws for its n-th output token from (seed, n): the same after a recompute
+    SamplingParams(temperature=0.9, top_k=40, seed=77, max_new_tokens=32, ignore_eos=True),
+], ids=["greedy", "seeded"])
+def test_preempted_requests_match_undisturbed(tiny: Any, roomy: str, run_dir: Path,
+                                              params: SamplingParams) -> None:
     prompts = random_prompts(4, [30, 25, 40, 35, 20, 28])
-    params = greedy(max_new=32)
     with attached(roomy, tiny.config) as client:
         calm = tokens_of(run_all(make(tiny, client), reqs(prompts, params)))
     # 6 requests of up to 72 tokens in a 256-token pool: growth must preempt
