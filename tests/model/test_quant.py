@@ -157,6 +157,29 @@ def test_packed_linear_equals_the_plain_one_for_any_input_shape() -> None:
     assert pack(w.float()) is None and pack(torch.randn(3, 4, 5, dtype=torch.bfloat16)) is None
 
 
+@pytest.mark.parametrize(("k", "n"), [(576, 960), (576, 3072), (1536, 576), (576, 49152)],
+                         ids=["qkv", "gate_up", "down", "head"])  # the default model's shapes
+def test_a_packed_linear_gives_a_row_the_same_bits_in_any_batch(k: int, n: int) -> None:
+    """Each row's result is the same bits alone (one row, which oneDNN runs on another kernel),
+    in a small batch, a large one, at any position and in any order (issue 36: batch
+    invariance of the bf16 dense path)."""
+    torch.manual_seed(k + n)
+    w = (torch.randn(n, k) * 0.05).to(torch.bfloat16)
+    packed = pack(w)
+    if packed is None:
+        pytest.skip("no native bfloat16 GEMM on this CPU: pack() keeps the plain path")
+    lin = Linear(w, None, packed)
+    x = torch.randn(300, k, dtype=torch.bfloat16)
+    alone = torch.cat([lin(x[r : r + 1]) for r in range(x.shape[0])])
+    order = torch.randperm(x.shape[0])
+    calls = [(x[:m], torch.arange(m)) for m in (2, 3, 7, 8, 17, 64)] + [(x[5:300], torch.arange(5, 300)),
+                                                                      (x[order], order)]
+    for rows, which in calls:
+        got = lin(rows)
+        moved = [int(r) for i, r in enumerate(which) if not torch.equal(got[i], alone[r])]
+        assert not moved, f"{rows.shape[0]} rows: rows {moved[:8]} differ from themselves alone"
+
+
 def test_int4_falls_back_to_int8_where_k_does_not_tile() -> None:
     assert isinstance(quantize("int4", torch.randn(16, 48), None), Int8Linear)
     assert type(quantize("none", torch.randn(16, 48), None)) is Linear
