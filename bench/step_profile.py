@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--steps", type=int, default=16, help="decode steps timed (and profiled) per batch")
     ap.add_argument("--top", type=int, default=18)
-    ap.add_argument("--no-pack", action="store_true", help="plain F.linear GEMMs (kvserve.model.quant.pack off)")
+    ap.add_argument("--no-pack", action="store_true", help="plain F.linear GEMMs (kvserve.model.dense.pack off, as quant calls it)")
     ap.add_argument("--no-profile", action="store_true", help="timings only")
     ap.add_argument("--profile-prefill", action="store_true",
                     help="also profile the steps that prefill the batch's prompts")

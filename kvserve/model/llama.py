@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.model.config import ModelConfig
-from kvserve.model.quant import Int4Linear, Int8Linear, Linear, quantize
+from kvserve.model.dense import Linear
+from kvserve.model.quant import Int4Linear, Int8Linear, quantize
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 """A DecoderLayer's projections (attributes holding a `quant` Linear or weight-only kernel)."""
@@ -260,7 +261,7 @@ class LlamaForCausalLM(nn.Module):
     def quantize(self, mode: str) -> None:
         """Weight-only quantization of the loaded model (`kvserve.model.quant`): the layers'
         projections in `mode`, the output head int8 unless `mode` is "none". Float weights
-        that `quant.pack` packs for oneDNN keep only their packed form (the head's, when
+        that `dense.pack` packs for oneDNN keep only their packed form (the head's, when
         tied to the embedding, both)."""
         for layer in self.layers:
             layer.quantize(mode)

@@ -11,16 +11,15 @@ import torch
 
 from kvserve.config import ConfigError
 from kvserve.config.runner import QUANTIZATIONS, RunnerConfig
+from kvserve.model.dense import Linear, pack
 from kvserve.model.quant import (
     ACT,
     DENSE_ROWS,
     MODES,
     Int4Linear,
     Int8Linear,
-    Linear,
     auto_mode,
     int4_dequantized,
-    pack,
     quantize,
 )
 from kvserve.model.weights import resolve_quantization
