@@ -60,6 +60,10 @@ class RunnerConfig:
     seed: int = option(0, help="seed of the generator unseeded sampled requests share: 0 = fresh "
                                "entropy at start (runners differ); another value repeats their tokens "
                                "run after run. A request's own seed is reproducible whatever this is")
+    batch_invariant: str = option("on", help="on: a request's tokens and logits do not depend on what "
+                                            "runs beside it (one kernel for every batch size: no "
+                                            "switch to the dense bf16 copies); off: those switches, "
+                                            "for throughput at large batches")
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype)
@@ -71,6 +75,8 @@ class RunnerConfig:
             raise ConfigError(f"--quantization: {self.quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
         if self.quantization not in ("none", "auto") and self.device.startswith("cuda"):
             raise ConfigError(f"--quantization {self.quantization}: runs on CPU only (--device {self.device})")
+        if self.batch_invariant not in ("on", "off"):
+            raise ConfigError(f"--batch-invariant: {self.batch_invariant!r} is not one of on, off")
         check_at_least(self, 1, "max_running", "max_batch_tokens", "chunk_size")
         check_at_least(self, 0, "threads")
         check_port("metrics_port", self.metrics_port, allow_zero=True)

@@ -51,6 +51,7 @@ EXPOSED: dict[str, tuple[str, ...]] = {
     "device": ("runner", "memsvc"),
     "dtype": ("runner", "memsvc"),
     "quantization": ("runner",),
+    "batch_invariant": ("runner",),
     "host": ("frontend",),
     "port": ("frontend",),
     "http_port": ("frontend",),

@@ -14,6 +14,10 @@ kernel) instead of hand-written matmul/softmax:
   read through a zero-copy view, otherwise gathered.  A fresh prompt uses `is_causal`,
   a chunk after a cached prefix an explicit prefix+causal mask.
 
+With `StepMetadata.invariant` (the runner's default, issue 36) a step with a prompt in it
+attends every token through the native kernel as a decode row of its own instead: one
+token's result then depends on its position and its KV alone, not on its chunk or batch.
+
 The per-step host plan (slots, masks, buffers) is built on first use and kept on the
 `StepMetadata`.  Knows nothing about the model, memsvc or scheduling; imports only torch.
 """
@@ -67,6 +71,7 @@ class _Plan:
     req_to_token: torch.Tensor
     gather: _Gather | None = None  # built on first use by the torch path
     native: native.DecodeAttention | None = None  # built on first use by the native path
+    every: native.DecodeAttention | None = None  # every token as a row (`StepMetadata.invariant`)
     buffers: dict[tuple[torch.dtype, int], tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict
     )
@@ -210,6 +215,20 @@ def _prefill(
     return out[0].transpose(0, 1)
 
 
+def _every_token(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _Plan,
+                 meta: StepMetadata, sm_scale: float) -> torch.Tensor:
+    """q [T, Hq, D] -> [T, Hq, D] with every token, a prompt's too, a row of the native
+    kernel that attends to the first position + 1 slots of its request: the kernel splits a
+    row by its length alone, so a token's result does not depend on its chunk or its step."""
+    if plan.every is None:
+        ext = meta.extend_lens.to(torch.int64).cpu()
+        rows = torch.repeat_interleave(meta.req_pool_indices.to(torch.int64).cpu(), ext)
+        lens = torch.cat([torch.arange(p + 1, p + e + 1, dtype=torch.int64)
+                          for p, e in zip(meta.prefix_lens_host, meta.extend_lens_host, strict=True)])
+        plan.every = native.DecodeAttention(plan.req_to_token, rows.contiguous(), lens)
+    return plan.every(q, k_cache, v_cache, sm_scale)
+
+
 def native_decode(meta: StepMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(req_to_token int32, rows int64 [B], lens int64 [B]) of a decode step whose attention
     this backend runs in place through the native kernel, for a caller that runs whole
@@ -244,6 +263,8 @@ def attention(
     plan = _plan(meta)
     if meta.is_decode:
         return _decode(q, k_cache, v_cache, plan, sm_scale).to(q.dtype)
+    if meta.invariant and native.supports(q, k_cache) and plan.req_to_token.dtype == torch.int32:
+        return _every_token(q, k_cache, v_cache, plan, meta, sm_scale).to(q.dtype)
     out = torch.empty_like(q)
     if plan.decode_tokens is not None:
         out[plan.decode_tokens] = _decode(

@@ -117,6 +117,10 @@ class StepMetadata:
     decode_o_part: torch.Tensor | None = None
     decode_ml_part: torch.Tensor | None = None
     decode_out: torch.Tensor | None = None
+    invariant: bool = False
+    """A token's attention computed as a function of its position and its KV alone, whatever
+    else the step holds (issue 36): the CPU backend attends every token, prefill ones
+    included, through the native per-row kernel whose split is fixed by the row's length."""
     _dense: DenseIndex | None = field(default=None, repr=False)
     backend_cache: dict[str, object] = field(default_factory=dict, repr=False)
     """Per-step state a backend builds on first use and reuses for every layer."""
@@ -198,6 +202,7 @@ def build_step_metadata(
     workspace: DecodeWorkspace | None = None,
     num_kv_heads: int | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
+    invariant: bool = False,
 ) -> StepMetadata:
     """Build the metadata of one batch (see docs/interfaces.md, "Attention backend").
 
@@ -267,6 +272,7 @@ def build_step_metadata(
         decode_o_part=workspace.o_part if workspace is not None else None,
         decode_ml_part=workspace.ml_part if workspace is not None else None,
         decode_out=workspace.decode_out if workspace is not None else None,
+        invariant=invariant,
     )
 
 

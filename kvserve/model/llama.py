@@ -20,17 +20,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.model.blocks import RMSNorm, RopeFn, Rotary, param
 from kvserve.model.config import ModelConfig
 from kvserve.model.dense import Linear
-from kvserve.model.quant import Int4Linear, Int8Linear, quantize
+from kvserve.model.quant import (
+    HEAD_DENSE_ROWS,
+    HEAD_FLOAT_DENSE_ROWS,
+    NATIVE_HEAD_FLOAT_DENSE_ROWS,
+    Int4Linear,
+    Int8Linear,
+    quantize,
+)
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 """A DecoderLayer's projections (attributes holding a `quant` Linear or weight-only kernel)."""
 
 # attend(layer, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> o [T, Hq, D]
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-# rope(x [T, >= heads * D], heads) -> the first `heads` heads rotated, [T, heads, D]
-RopeFn = Callable[[torch.Tensor, int], torch.Tensor]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,84 +46,6 @@ class WeightSlot:
     param: torch.Tensor
     start: int
     shape: tuple[int, ...]
-
-
-def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
-
-
-class RMSNorm(nn.Module):
-    """RMS normalisation computed in float32, as transformers does, then scaled in the model dtype."""
-
-    def __init__(self, dim: int, eps: float, *, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        self.weight = _param(dim, dtype=dtype, device=device)
-        self.eps = eps
-        self.row_ops: Any = None  # set by LlamaForCausalLM.use_row_ops
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = self.row_ops
-        if ops is not None and ops.rowwise(x):
-            return ops.rms_norm(x, self.weight, self.eps)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-
-class Rotary(nn.Module):
-    """cos/sin tables [positions, head_dim // 2] computed once in float32, grown on demand."""
-
-    def __init__(self, config: ModelConfig, *, device: torch.device) -> None:
-        super().__init__()
-        self.register_buffer("inv_freq", config.inv_freq().to(device), persistent=False)
-        self.register_buffer(
-            "cos", torch.empty(0, config.head_dim // 2, device=device), persistent=False
-        )
-        self.register_buffer(
-            "sin", torch.empty(0, config.head_dim // 2, device=device), persistent=False
-        )
-        self._grow(min(config.max_position_embeddings, 8192))
-
-    def _grow(self, n: int) -> None:
-        pos = torch.arange(n, dtype=torch.float32, device=self.inv_freq.device)
-        freqs = pos[:, None] * self.inv_freq[None, :]
-        self.cos = freqs.cos()
-        self.sin = freqs.sin()
-
-    def _ensure(self, positions: torch.Tensor) -> None:
-        need = int(positions.max()) + 1 if positions.numel() else 0
-        if need > self.cos.shape[0]:
-            self._grow(max(need, 2 * self.cos.shape[0]))
-
-    def tables(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for `positions` [T], shaped [T, 1, D/2] in `dtype`."""
-        self._ensure(positions)
-        cos = self.cos.index_select(0, positions).to(dtype).unsqueeze(1)
-        sin = self.sin.index_select(0, positions).to(dtype).unsqueeze(1)
-        return cos, sin
-
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype, ops: Any = None) -> RopeFn:
-        """The rotation of one step's tokens at `positions` [T]: f(x [T, >= heads * D] with
-        contiguous rows, heads) -> the first `heads` heads rotated, [T, heads, D]. With
-        `ops` (row ops, see `LlamaForCausalLM.use_row_ops`), one pass of its `rotary` (the
-        same numbers)."""
-        if ops is not None:
-            self._ensure(positions)
-            pos = positions.to(torch.int64).contiguous()
-            cos_t, sin_t = self.cos, self.sin
-            return lambda x, heads: ops.rotary(x, heads, cos_t, sin_t, pos)
-        cos, sin = self.tables(positions, dtype)
-        d = 2 * self.cos.shape[1]
-        return lambda x, heads: apply_rotary(x.view(x.shape[0], heads, d), cos, sin)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate halves of the last dim (the HF "rotate_half" layout): x [T, H, D]."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class DecoderLayer(nn.Module):
@@ -130,19 +58,20 @@ class DecoderLayer(nn.Module):
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         qkv_rows = cfg.q_size + 2 * cfg.kv_size
-        self.qkv_weight = _param(qkv_rows, cfg.hidden_size, **kw)
-        self.qkv_bias = _param(qkv_rows, **kw) if cfg.qkv_bias else None
-        self.o_weight = _param(cfg.hidden_size, cfg.q_size, **kw)
-        self.o_bias = _param(cfg.hidden_size, **kw) if cfg.o_bias else None
-        self.gate_up_weight = _param(2 * cfg.intermediate_size, cfg.hidden_size, **kw)
-        self.gate_up_bias = _param(2 * cfg.intermediate_size, **kw) if cfg.mlp_bias else None
-        self.down_weight = _param(cfg.hidden_size, cfg.intermediate_size, **kw)
-        self.down_bias = _param(cfg.hidden_size, **kw) if cfg.mlp_bias else None
+        self.qkv_weight = param(qkv_rows, cfg.hidden_size, **kw)
+        self.qkv_bias = param(qkv_rows, **kw) if cfg.qkv_bias else None
+        self.o_weight = param(cfg.hidden_size, cfg.q_size, **kw)
+        self.o_bias = param(cfg.hidden_size, **kw) if cfg.o_bias else None
+        self.gate_up_weight = param(2 * cfg.intermediate_size, cfg.hidden_size, **kw)
+        self.gate_up_bias = param(2 * cfg.intermediate_size, **kw) if cfg.mlp_bias else None
+        self.down_weight = param(cfg.hidden_size, cfg.intermediate_size, **kw)
+        self.down_bias = param(cfg.hidden_size, **kw) if cfg.mlp_bias else None
         self.qkv = Linear(self.qkv_weight, self.qkv_bias)
         self.o = Linear(self.o_weight, self.o_bias)
         self.gate_up = Linear(self.gate_up_weight, self.gate_up_bias)
         self.down = Linear(self.down_weight, self.down_bias)
         self.fused: Any = None  # the whole layer in one native call (`LlamaForCausalLM.use_row_ops`)
+        self.row_ops: Any = None  # the SiLU's, where the row ops have one (`use_row_ops`)
 
     def quantize(self, mode: str) -> None:
         """Swap the four projections for `mode`'s (`kvserve.model.quant`), each with a dense copy
@@ -167,29 +96,18 @@ class DecoderLayer(nn.Module):
         o = attend(layer, q, k, v)
         h = x + self.o(o.reshape(t, cfg.q_size))
         gate_up = self.gate_up(self.post_norm(h))
+        if self.row_ops is not None and self.row_ops.rowwise(gate_up):  # the one-call layer's SiLU
+            return h + self.down(self.row_ops.silu_mul(gate_up))
         gate, up = gate_up.split(cfg.intermediate_size, dim=-1)
         return h + self.down(F.silu(gate) * up)
 
 
-HEAD_DENSE_ROWS = 4
-"""An int8 output head whose dense copy is packed for oneDNN (native bf16) takes it above this
-many rows, the projections above `quant.DENSE_ROWS`: torch's int8 kernel grows faster with
-rows on the head's 49,152 outputs. Whole decode steps of the default model, int8 head vs
-packed bf16 above 1 row (median of 6 alternating rounds, 2026-12-05, Intel Xeon with AMX):
-0.98x at 2 and 4 rows, 1.08x at 8. The native 8-bit head (`use_row_ops`) keeps it too: not
-measured for that kernel (no AMX machine at hand when it came)."""
-HEAD_FLOAT_DENSE_ROWS = 64
-"""The same switch where the head's dense copy is a plain float32 GEMM (no native bf16):
-torch's int8 kernel vs float32 dense on the head's [49,152, 576] (warm, 2026-12-06, AMD EPYC
-Zen 2, AVX2 only, 2 cores, ms) at 8 / 16 / 32 / 64 / 128 rows: 7.6 vs 26.8, 14.9 vs 30.1,
-30.2 vs 40.0, 59.2 vs 59.6, 116.7 vs 94.1."""
-NATIVE_HEAD_FLOAT_DENSE_ROWS = 256
-"""`HEAD_FLOAT_DENSE_ROWS` for the native 8-bit head (`use_row_ops`), whose time grows more
-slowly with rows than torch's int8 kernel: native vs float32 dense on the head's [49,152,
-576] (bench/int8_head.py --dense, median of 5 cold passes, 2026-12-06, AMD EPYC Zen 2, AVX2
-only, 2 cores, ms) at 8 / 16 / 32 / 64 / 128 / 256 rows: 4.1 vs 25.1, 8.3 vs 30.1, 16.3 vs
-40.3, 31.9 vs 57.7, 63.1 vs 91.0, 140.5 vs 159.7; even at 384 (213.4 vs 214.4), dense ahead
-at 512 (282.4 vs 268.3)."""
+def _one_kernel(lin: Any, batch_invariant: bool) -> None:
+    """`lin` as `LlamaForCausalLM.use_row_ops` leaves it for `batch_invariant`."""
+    if isinstance(lin, Linear):
+        lin.lone_as_pair = lin.lone_as_pair and batch_invariant
+    elif batch_invariant:
+        lin.dense = None  # one kernel for every batch size: the dense copy's numbers are other ones
 
 
 class LlamaForCausalLM(nn.Module):
@@ -201,13 +119,13 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.dtype = dtype
         self.device = device
-        self.embed = _param(config.vocab_size, config.hidden_size, **kw)
+        self.embed = param(config.vocab_size, config.hidden_size, **kw)
         self.layers = nn.ModuleList(DecoderLayer(config, **kw) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
         self.lm_head = (
             self.embed
             if config.tie_word_embeddings
-            else _param(config.vocab_size, config.hidden_size, **kw)
+            else param(config.vocab_size, config.hidden_size, **kw)
         )
         self.rotary = Rotary(config, device=device)
         self.sm_scale = config.head_dim**-0.5
@@ -216,7 +134,7 @@ class LlamaForCausalLM(nn.Module):
         self.row_ops: Any = None
         self.fused_rows: float = 0  # decode steps of up to this many rows run each layer in one native call
 
-    def use_row_ops(self, ops: Any) -> None:
+    def use_row_ops(self, ops: Any, *, batch_invariant: bool = True) -> None:
         """Run the RMS norms and the rotary embedding through `ops` where `ops.rowwise(x)`
         holds: an object with `rowwise(x) -> bool`, `rms_norm(x, weight, eps)` and
         `rotary(x, heads, cos_table, sin_table, positions)` giving these modules' numbers
@@ -224,7 +142,14 @@ class LlamaForCausalLM(nn.Module):
         torch's ops. The int4 projections take `ops.Int4Weight` where the ops have one and
         `ops.int4_available()` (`quant.Int4Linear.use_ops`: a choice made once), the int8
         projections and head `ops.Int8Weight` where `ops.int8_available()`
-        (`quant.Int8Linear.use_ops`), the head with its own switch to the dense copy."""
+        (`quant.Int8Linear.use_ops`), the head with its own switch to the dense copy.
+
+        `batch_invariant` (the runner's default, issue 36): a row's numbers do not depend on
+        the step it is in. Each weight-only projection and the head keep one kernel for every
+        batch size (their dense copies, another reduction on other activations, are freed),
+        the separate calls take the one-call layer's SiLU, and a float projection runs a lone
+        row as two where its GEMM would give it other bits (`dense.lone_row_differs`). False:
+        the switches to the dense copies above their rows, and a lone row as one."""
         self.row_ops = ops
         for module in self.modules():
             if isinstance(module, RMSNorm):
@@ -233,6 +158,7 @@ class LlamaForCausalLM(nn.Module):
             self.head.use_ops(ops if hasattr(ops, "Int8Weight") else None)
             if self.head.kernel is not None:  # the head's own switch, not the projections'
                 self.head.dense_rows = HEAD_DENSE_ROWS if self.head.dense_packed else NATIVE_HEAD_FLOAT_DENSE_ROWS
+        _one_kernel(self.head, batch_invariant)
         int4 = ops if hasattr(ops, "Int4Weight") else None
         int8 = ops if hasattr(ops, "Int8Weight") else None
         for layer in self.layers:
@@ -243,7 +169,10 @@ class LlamaForCausalLM(nn.Module):
                 elif isinstance(lin, Int8Linear):
                     lin.use_ops(int8)
             layer.fused = None
+            layer.row_ops = ops if hasattr(ops, "silu_mul") else None
             lins = [getattr(layer, name) for name in PROJECTIONS]
+            for lin in lins:
+                _one_kernel(lin, batch_invariant)
             if int4 is not None and hasattr(ops, "DecodeLayer") and all(
                     isinstance(lin, Int4Linear) and lin.kernel is not None and lin.bias is None for lin in lins):
                 cfg = self.config

@@ -83,6 +83,27 @@ weights from memory (`bench/int8_head.py --projections --dense`, median of 5, 20
 AMD EPYC Zen 2, AVX2 only, 2 cores, ms) at 1 / 8 / 16 / 32 / 64 / 128 rows: 6.7 / 12.7 /
 37.3, 17.3 / 27.5 / 56.4, 33.0 / 47.8 / 71.2, 63.3 / 88.7 / 96.7, 130.5 / 177.2 / 155.2,
 262.1 / 346.3 / 267.6 (even at 128)."""
+HEAD_DENSE_ROWS = 4
+"""An int8 output head whose dense copy is packed for oneDNN (native bf16) takes it above this
+many rows, the projections above `quant.DENSE_ROWS`: torch's int8 kernel grows faster with
+rows on the head's 49,152 outputs. Whole decode steps of the default model, int8 head vs
+packed bf16 above 1 row (median of 6 alternating rounds, 2026-12-05, Intel Xeon with AMX):
+0.98x at 2 and 4 rows, 1.08x at 8. The native 8-bit head (`LlamaForCausalLM.use_row_ops`) keeps it too: not
+measured for that kernel (no AMX machine at hand when it came)."""
+HEAD_FLOAT_DENSE_ROWS = 64
+"""The same switch where the head's dense copy is a plain float32 GEMM (no native bf16):
+torch's int8 kernel vs float32 dense on the head's [49,152, 576] (warm, 2026-12-06, AMD EPYC
+Zen 2, AVX2 only, 2 cores, ms) at 8 / 16 / 32 / 64 / 128 rows: 7.6 vs 26.8, 14.9 vs 30.1,
+30.2 vs 40.0, 59.2 vs 59.6, 116.7 vs 94.1."""
+NATIVE_HEAD_FLOAT_DENSE_ROWS = 256
+"""`HEAD_FLOAT_DENSE_ROWS` for the native 8-bit head (`LlamaForCausalLM.use_row_ops`), whose time grows more
+slowly with rows than torch's int8 kernel: native vs float32 dense on the head's [49,152,
+576] (bench/int8_head.py --dense, median of 5 cold passes, 2026-12-06, AMD EPYC Zen 2, AVX2
+only, 2 cores, ms) at 8 / 16 / 32 / 64 / 128 / 256 rows: 4.1 vs 25.1, 8.3 vs 30.1, 16.3 vs
+40.3, 31.9 vs 57.7, 63.1 vs 91.0, 140.5 vs 159.7; even at 384 (213.4 vs 214.4), dense ahead
+at 512 (282.4 vs 268.3)."""
+
+
 GROUP = 32
 _INNER_K_TILES = 2  # the CPU packing's K tiling (K must be a multiple of 16 × this)
 ACT = torch.bfloat16  # the kernels' activation dtype

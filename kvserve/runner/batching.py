@@ -41,8 +41,10 @@ class ForwardBatch:
         head_dim: int,
         device: torch.device,
         workspace: DecodeWorkspace | None,
+        invariant: bool = False,
     ) -> ForwardBatch:
-        """`plan` holds (request, number of new tokens) pairs, each n >= 1."""
+        """`plan` holds (request, number of new tokens) pairs, each n >= 1; `invariant`: the
+        step's attention batch-invariant (`StepMetadata.invariant`)."""
         ids: list[int] = []
         rows: list[int] = []
         prefix: list[int] = []
@@ -71,6 +73,7 @@ class ForwardBatch:
             device=device,
             workspace=workspace,
             num_kv_heads=num_kv_heads,
+            invariant=invariant,
         )
         return cls(
             input_ids=torch.tensor(ids, dtype=torch.int64).to(device, non_blocking=True),

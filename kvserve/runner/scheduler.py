@@ -107,6 +107,7 @@ class SchedulerConfig:
     max_batch_tokens: int = 2048
     chunk_size: int = 512
     seed: int = 0
+    batch_invariant: bool = True  # `LlamaForCausalLM.use_row_ops`'s
 
 
 class Scheduler:
@@ -137,7 +138,7 @@ class Scheduler:
         self.vocab_size = int(cfg.vocab_size)
         self.device = torch.device(model.device)
         if self.device.type == "cpu" and hasattr(model, "use_row_ops"):
-            model.use_row_ops(native)  # one-pass RMS norm and rotary where they build
+            model.use_row_ops(native, batch_invariant=self.config.batch_invariant)  # the native row ops where they build
         self.sampler = Sampler(device=self.device, seed=self.config.seed or None,
                                argmax=native.row_argmax if self.device.type == "cpu" else None)
         self.table = RequestTable()
@@ -282,7 +283,7 @@ class Scheduler:
         batch = ForwardBatch.build(
             plan, req_to_token=self.mem.req_to_token, num_q_heads=cfg.num_heads,
             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, device=self.device,
-            workspace=self.workspace,
+            workspace=self.workspace, invariant=self.config.batch_invariant,
         )
         logits = model.forward(
             batch.input_ids, batch.meta, k_buffer=self.mem.k_buffer, v_buffer=self.mem.v_buffer,

@@ -144,7 +144,8 @@ class Worker(FrontendLink):
             eos_token_ids=self.loaded.eos_token_ids, metrics=self.metrics, workspace=workspace,
             fault_layer_delay_s=self._layer_delay_s,
             config=SchedulerConfig(max_running=cfg.max_running, max_batch_tokens=cfg.max_batch_tokens,
-                                   chunk_size=cfg.chunk_size, seed=cfg.seed),
+                                   chunk_size=cfg.chunk_size, seed=cfg.seed,
+                                   batch_invariant=cfg.batch_invariant == "on"),
         )
         release_freed_memory()  # the load's float copies and the freed dense ones
         self.metrics.set_info(

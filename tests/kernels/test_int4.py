@@ -172,8 +172,7 @@ def test_a_float32_model_frees_the_int4_dense_copies_and_keeps_the_heads_to_its_
     kernel to HEAD_FLOAT_DENSE_ROWS rows and takes its dense copy above; the native int4
     projections free theirs (NATIVE_INT4_FLOAT_DENSE_ROWS is None: the kernel is faster at
     every batch) and take a prefill's rows too, as the one-call layer takes any decode step."""
-    from kvserve.model.llama import HEAD_FLOAT_DENSE_ROWS
-    from kvserve.model.quant import NATIVE_INT4_FLOAT_DENSE_ROWS
+    from kvserve.model.quant import HEAD_FLOAT_DENSE_ROWS, NATIVE_INT4_FLOAT_DENSE_ROWS
     from kvserve.model.weights import load_model
     from tests.model.tinymodel import write_tiny_model
 

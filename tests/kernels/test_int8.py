@@ -157,11 +157,11 @@ def test_the_head_takes_any_float_dtype_and_batch_shape_and_its_dense_copy_is_th
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_model_through_the_native_int8_head_keeps_its_logits(tmp_path, dtype) -> None:
-    """use_row_ops(native) on a quantized model: the head takes the native kernel (torch's
-    per-row copy freed, the dense copy now its groups' values) with its own switch to the
-    dense copy, and its logits stay those of torch's int8 head up to the 8-bit activations
-    and the finer scales."""
-    from kvserve.model.llama import HEAD_DENSE_ROWS, NATIVE_HEAD_FLOAT_DENSE_ROWS
+    """use_row_ops(native, batch_invariant=False) on a quantized model: the head takes the
+    native kernel (torch's per-row copy freed, the dense copy now its groups' values) with its
+    own switch to the dense copy, and its logits stay those of torch's int8 head up to the
+    8-bit activations and the finer scales."""
+    from kvserve.model.quant import HEAD_DENSE_ROWS, NATIVE_HEAD_FLOAT_DENSE_ROWS
     from kvserve.model.weights import load_model
     from tests.model.tinymodel import write_tiny_model
 
@@ -173,7 +173,7 @@ def test_a_model_through_the_native_int8_head_keeps_its_logits(tmp_path, dtype) 
     plain = head(x).float()
     if not native.int8_available():
         pytest.skip("this CPU's build has no 8-bit kernel")
-    model.use_row_ops(native)
+    model.use_row_ops(native, batch_invariant=False)
     assert isinstance(head.kernel, native.Int8Weight) and head.qweight.numel() == 0 and model.head is head
     want_rows = HEAD_DENSE_ROWS if head.dense_packed else NATIVE_HEAD_FLOAT_DENSE_ROWS
     assert head.dense_rows == want_rows
@@ -185,7 +185,7 @@ def test_a_model_through_the_native_int8_head_keeps_its_logits(tmp_path, dtype) 
     assert ((fast - plain).norm() / plain.norm()).item() < 0.02
     many = model.norm(torch.randn(want_rows + 1, 64, generator=torch.Generator().manual_seed(4)).to(dtype))
     assert torch.equal(head(many), head.dense(many))
-    model.use_row_ops(native)  # again (the choice stays)
+    model.use_row_ops(native, batch_invariant=False)  # again (the choice stays)
     assert head.kernel is not None and head.dense_rows == want_rows
 
 

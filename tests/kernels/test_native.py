@@ -280,7 +280,7 @@ def test_rms_norm_refuses_a_weight_of_another_shape():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_rotary_gives_the_torch_ops_numbers_bit_for_bit(lib, dtype, monkeypatch):
-    from kvserve.model.llama import apply_rotary
+    from kvserve.model.blocks import apply_rotary
 
     monkeypatch.setattr(loader, "_load", lambda: lib)
     g = torch.Generator().manual_seed(7)

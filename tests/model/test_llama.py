@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from kvserve.kernels import get_backend
+from kvserve.model.blocks import RMSNorm, apply_rotary
 from kvserve.model.config import config_from_hf
-from kvserve.model.llama import LlamaForCausalLM, RMSNorm, apply_rotary
+from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.weights import load_weights
 
 from .tinymodel import PagedKV, greedy_generate, tiny_config, write_tiny_model

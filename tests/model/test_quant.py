@@ -224,7 +224,7 @@ def test_config_checks_the_mode() -> None:
 
 
 def test_a_bf16_models_packed_head_takes_its_dense_copy_above_four_rows(tmp_path) -> None:
-    from kvserve.model.llama import HEAD_DENSE_ROWS
+    from kvserve.model.quant import HEAD_DENSE_ROWS
     from kvserve.model.weights import load_model
 
     if pack(torch.randn(96, 128, dtype=torch.bfloat16)) is None:

@@ -63,24 +63,25 @@ def load_sharp_tiny(tmp_path_factory: Any) -> Any:
 
 
 def memsvc_args(config: Any, *, kv_tokens: int = 8192, policy: str = "optimistic", page_size: int = 16,
-                max_context_len: int = 512, max_reqs: int = 64, grow_chunk: int = 32) -> list[str]:
+                max_context_len: int = 512, max_reqs: int = 64, grow_chunk: int = 32,
+                dtype: str = "float32") -> list[str]:
     return [
         "--n-layers", str(config.num_layers), "--n-kv-heads", str(config.num_kv_heads),
-        "--head-dim", str(config.head_dim), "--dtype", "float32", "--kv-tokens", str(kv_tokens),
+        "--head-dim", str(config.head_dim), "--dtype", dtype, "--kv-tokens", str(kv_tokens),
         "--max-reqs", str(max_reqs), "--max-context-len", str(max_context_len), "--policy", policy,
         "--page-size", str(page_size), "--grow-chunk", str(grow_chunk),
     ]
 
 
 @contextmanager
-def memsvc_process(run_dir: Path, args: list[str], name: str = "memsvc") -> Iterator[str]:
+def memsvc_process(run_dir: Path, args: list[str], name: str = "memsvc", metrics_port: int = 0) -> Iterator[str]:
     """Run `kvserve memsvc` with `args` until the block ends; yields its address."""
     run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     address = f"ipc://{run_dir}/{name}.sock"
     env = dict(os.environ, KVSERVE_RUNTIME_DIR=str(run_dir))
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvserve.cli", "memsvc", *args, "--address", address,
-         "--metrics-port", "0", "--runtime-dir", str(run_dir)],
+         "--metrics-port", str(metrics_port), "--runtime-dir", str(run_dir)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
@@ -101,10 +102,10 @@ def memsvc_process(run_dir: Path, args: list[str], name: str = "memsvc") -> Iter
 
 
 @contextmanager
-def attached(address: str, config: Any, name: str = "test-runner") -> Iterator[MemClient]:
+def attached(address: str, config: Any, name: str = "test-runner", dtype: str = "float32") -> Iterator[MemClient]:
     client = MemClient(address, name=name, timeout_s=10.0)
     client.attach(n_layers=config.num_layers, n_kv_heads=config.num_kv_heads,
-                  head_dim=config.head_dim, dtype="float32")
+                  head_dim=config.head_dim, dtype=dtype)
     try:
         yield client
     finally:

@@ -4,7 +4,7 @@
  * operations each, and the Python between them (a torch op or a ctypes call per operation,
  * each a few microseconds) cost as much as the 4-bit products.  This file runs a whole
  * layer from C on the kernels the separate calls use, in the same order, so the numbers
- * are theirs (but for the SiLU, whose exp may differ from torch's in the last place):
+ * are theirs (the SiLU is this file's, kvs_silu_mul, which the separate calls take too):
  *
  *   n = rms_norm(x)            -> qkv = n @ Wqkv.T (int4_mm)
  *   q, k = rotary(qkv)         -> k, v stored at the tokens' slots (store_rows)
@@ -128,6 +128,15 @@ static void silu_mul(const void *gu, void *out, int64_t rows, int64_t inter, int
             for (int64_t i = 0; i < inter; i++) o[i] = silu(g[i]) * u[i];
         }
     }
+}
+
+/* silu_mul for the separate calls (llama.py's layer above the one-call step, prefill
+ * included), so that a row's activation has these bits whichever path its step takes. */
+void kvs_silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t inter) {
+    silu_mul(gu, out, rows, inter, 1);
+}
+void kvs_silu_mul_f32(const float *gu, float *out, int64_t rows, int64_t inter) {
+    silu_mul(gu, out, rows, inter, 0);
 }
 
 static inline int mm(const kvs_int4_weight *w, const void *x, int64_t rows, void *y, int bf16) {

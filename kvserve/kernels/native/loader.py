@@ -85,6 +85,7 @@ def build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     for kind in ("bf16", "f32"):
         getattr(lib, f"kvs_rms_norm_{kind}").argtypes = [_P, _P, _P, _I64, _I64, _I64, ctypes.c_float]
         getattr(lib, f"kvs_rotary_{kind}").argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64]
+        getattr(lib, f"kvs_silu_mul_{kind}").argtypes = [_P, _P, _I64, _I64]
     lib.kvs_store_rows.argtypes = [_P, _I64, _P, _I64, _P, _I64, _I64]
     for kind in ("bf16", "f32"):
         getattr(lib, f"kvs_row_argmax_{kind}").argtypes = [_P, _I64, _I64, _I64, _P, _P]

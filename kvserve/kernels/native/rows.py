@@ -67,6 +67,18 @@ def rotary(x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor,
     return out
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [T, 2 * inter] (gate first; rows contiguous), rounding as
+    the one-call layer does (csrc/decode_layer.c: its SiLU's exp, not torch's), so that a
+    row's activation is the same in a step of any size (`rowwise(gate_up)` must hold)."""
+    rows, width = gate_up.shape
+    if width % 2 or not rowwise(gate_up):
+        raise ValueError("silu_mul: gate_up must be a contiguous [T, 2 * inter] bf16 or fp32 CPU tensor")
+    out = gate_up.new_empty(rows, width // 2)
+    getattr(loader._load(), "kvs_silu_mul_" + _SUFFIX[gate_up.dtype])(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
+    return out
+
+
 def row_argmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """For each row of x [B, V] (float32 or bfloat16 on the CPU, each row contiguous): the
     index of its first largest value (int64 [B], torch's argmax) and whether all its values
