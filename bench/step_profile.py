@@ -108,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="A/B the native kernels (kvserve.kernels.native: decode attention, RMS "
                          "norm, rotary, KV store, 4-bit projections) against the torch ops in the same process: "
                          "ROUNDS alternating rounds of --steps steps each, medians printed (implies --no-profile)")
+    ap.add_argument("--batch-invariant", default="on", choices=["on", "off"],
+                    help="the runner's [runner] batch_invariant (issue 36)")
     ap.add_argument("--packed-rows", type=int, default=0,
                     help="rows above which quantized projections take their dense copy (default DENSE_ROWS)")
     args = ap.parse_args(argv)
@@ -125,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     quant = resolve_quantization(args.quantization, args.model, "cpu")
     loaded = load_model(args.model, dtype=getattr(torch, dtype_name), device="cpu", quantization=quant)
     tok = loaded.tokenizer
-    print(f"model {loaded.name} dtype {dtype_name} quantization {quant} threads {torch.get_num_threads()}")
+    print(f"model {loaded.name} dtype {dtype_name} quantization {quant} threads {torch.get_num_threads()} "
+          f"batch_invariant {args.batch_invariant}")
     print(f"cpu flags: {cpu_flags()}", flush=True)
     with tempfile.TemporaryDirectory(prefix="kvserve-prof-") as tmp:
         run_dir = Path(tmp)
@@ -140,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                 metrics = RunnerMetrics()
                 sched = Scheduler(model=loaded.model, mem=client, layout=client.layout,
                                   backend=get_backend("torch"), eos_token_ids=loaded.eos_token_ids,
-                                  config=SchedulerConfig(), metrics=metrics)
+                                  config=SchedulerConfig(batch_invariant=args.batch_invariant == "on"),
+                                  metrics=metrics)
                 prompts = make_prompts(tok, b, 128)
                 prompts[:, 0] = 2000 + b
                 for i, row in enumerate(prompts):

@@ -46,6 +46,7 @@ class PagedKV:
         prefix_lens: list[int],
         all_logits: bool = False,
         fence: Any = None,
+        invariant: bool = False,
     ) -> torch.Tensor:
         """Run `chunks[b]` (new tokens of request b at row rows[b], after prefix_lens[b]
         cached tokens); float32 logits of each request's last token, or of every token.
@@ -61,6 +62,7 @@ class PagedKV:
             num_kv_heads=self.config.num_kv_heads,
             head_dim=self.config.head_dim,
             device="cpu",
+            invariant=invariant,
         )
         ids = torch.tensor([t for c in chunks for t in c], dtype=torch.int64)
         if all_logits:
@@ -79,17 +81,20 @@ class PagedKV:
 
 
 def greedy_generate(
-    model: Any, backend: Any, prompts: list[list[int]], max_new: int, *, dtype: torch.dtype
+    model: Any, backend: Any, prompts: list[list[int]], max_new: int, *, dtype: torch.dtype,
+    invariant: bool = False,
 ) -> list[list[int]]:
-    """Greedy continuation of every prompt, batched: one ragged prefill, then batched decode."""
+    """Greedy continuation of every prompt, batched: one ragged prefill, then batched decode;
+    `invariant`: the steps' attention as the runner's batch-invariant default runs it."""
     cfg = model.config
     kv = PagedKV(cfg, max_reqs=len(prompts), max_len=max(map(len, prompts)) + max_new, dtype=dtype)
     rows = list(range(len(prompts)))
-    logits = kv.forward(model, backend, prompts, rows=rows, prefix_lens=[0] * len(prompts))
+    logits = kv.forward(model, backend, prompts, rows=rows, prefix_lens=[0] * len(prompts), invariant=invariant)
     out = [[int(t)] for t in logits.argmax(-1)]
     for step in range(1, max_new):
         prefix = [len(p) + step - 1 for p in prompts]
-        logits = kv.forward(model, backend, [[o[-1]] for o in out], rows=rows, prefix_lens=prefix)
+        logits = kv.forward(model, backend, [[o[-1]] for o in out], rows=rows, prefix_lens=prefix,
+                            invariant=invariant)
         for o, t in zip(out, logits.argmax(-1).tolist(), strict=True):
             o.append(t)
     return out

@@ -55,5 +55,6 @@ def test_default_serve_runs_the_q4_1_file_int4_and_equals_the_int4_model(tmp_pat
     loaded.model.use_row_ops(native)  # as the runner's scheduler does
     tok = load_model_tokenizer(None)
     prompt = tok.render_chat([("user", QUESTION)], add_generation_prompt=True)
-    [expected] = greedy_generate(loaded.model, get_backend(label["backend"]), [prompt], NEW, dtype=dtype)
+    [expected] = greedy_generate(loaded.model, get_backend(label["backend"]), [prompt], NEW, dtype=dtype,
+                                 invariant=True)  # serve's default: --batch-invariant on
     assert served == expected, (tok.decode(served), tok.decode(expected))
