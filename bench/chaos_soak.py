@@ -79,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default="", help="reserve | optimistic ('' = serve's default)")
     p.add_argument("--device", default="cpu", help="serve's --device ('' = serve's default)")
     p.add_argument("--dtype", default="float32", help="serve's --dtype ('' = serve's default)")
+    p.add_argument("--quantization", default="", help="serve's --quantization ('' = serve's default, auto)")
     p.add_argument("--ready-s", type=float, default=900.0, help="how long serve may take to start")
     p.add_argument("--settle-s", type=float, default=120.0, help="end: wait for SERVING and for memsvc")
     p.add_argument("--log", default="", help="file for serve's and its children's logs ('' = a tmp file)")
@@ -424,6 +425,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"command          {head['command']}\ncpu flags        {' '.join(head['cpu_flags']) or '-'}", flush=True)
     extra = ["--runners", str(args.runners), "--kv-tokens", str(args.kv_tokens)]
     extra += ["--policy", args.policy] if args.policy else []
+    extra += ["--quantization", args.quantization] if args.quantization else []
     runtime = Path(tempfile.mkdtemp(prefix="kvserve-chaos-"))
     svc = start_serve(runtime, Path(args.model) if args.model else None, *extra, ready_s=args.ready_s,
                       dtype=args.dtype or None, device=args.device or None, log=log)

@@ -25,6 +25,11 @@ from kvserve.tools.servectl import (  # noqa: F401  (re-exported for the tests)
 from kvserve.v1 import generator_pb2 as pb
 from kvserve.v1 import generator_pb2_grpc as pb_grpc
 
+DEFAULT_PATH = ("--quantization", "int4")
+"""The serve flags that put the fault tests' tiny model (a float HF directory) on the default
+model's path: its projections as 4-bit codes on the native kernels; `start_serve(...,
+dtype=None)` leaves the dtype to serve (bf16 where the CPU has native bf16)."""
+
 
 class Stream:
     """One Generate call consumed in a thread: tokens, first-token event, final status."""

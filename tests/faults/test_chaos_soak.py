@@ -29,6 +29,7 @@ def report(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[s
     out = tmp_path_factory.mktemp("chaos")
     cmd = [sys.executable, str(ROOT / "bench" / "chaos_soak.py"), "--duration-s", str(DURATION_S),
            "--kill-every-s", str(KILL_EVERY_S), "--model", str(tiny_model), "--ready-s", "300",
+           "--dtype", "", "--quantization", "int4",  # the default path (harness.DEFAULT_PATH)
            "--json", str(out / "report.json"), "--log", str(out / "serve.log"), "--no-fail"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=SOAK_TIMEOUT_S)
     print(proc.stdout, proc.stderr[-4000:], sep="\n")

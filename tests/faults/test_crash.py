@@ -16,7 +16,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from .harness import Service, Stream, greedy, memfd_mappings, start_serve, stop_serve
+from .harness import DEFAULT_PATH, Service, Stream, greedy, memfd_mappings, start_serve, stop_serve
 
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -27,7 +27,7 @@ KV_TOKENS = 384
 @pytest.fixture(scope="module")
 def svc(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Service]:
     service = start_serve(tmp_path_factory.mktemp("crash-rt"), tiny_model, "--kv-tokens", str(KV_TOKENS),
-                          "--policy", "reserve", "--drain-timeout-s", "20")
+                          "--policy", "reserve", "--drain-timeout-s", "20", *DEFAULT_PATH, dtype=None)
     try:
         yield service
     finally:

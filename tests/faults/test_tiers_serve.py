@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from .harness import Service, greedy, start_serve, stop_serve
+from .harness import DEFAULT_PATH, Service, greedy, start_serve, stop_serve
 
 pytestmark = pytest.mark.timeout(240)
 KV_TOKENS = 384
@@ -29,7 +29,7 @@ def svc(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[
     disk = tmp_path_factory.mktemp("disk-tier")
     service = start_serve(tmp_path_factory.mktemp("tiers-rt"), tiny_model, "--kv-tokens", str(KV_TOKENS),
                           "--policy", "reserve", "--host-cache-bytes", "64MiB", "--disk-cache-dir", str(disk),
-                          "--disk-cache-bytes", "64MiB")
+                          "--disk-cache-bytes", "64MiB", *DEFAULT_PATH, dtype=None)
     service.disk = disk  # type: ignore[attr-defined]
     try:
         yield service

@@ -53,6 +53,21 @@ def sharp_tiny_dir(tmp_path_factory: Any) -> Path:
     return path
 
 
+INT4_SHAPES = {"hidden_size": 64, "intermediate_size": 128}
+"""Tiny shapes the native int4 kernel takes (K a multiple of 64): the default path's kernels."""
+
+
+def sharp_int4_tiny_dir(tmp_path_factory: Any) -> Path:
+    """The sharpened tiny model in `INT4_SHAPES`, written once per pytest session: served with
+    `--quantization int4` and serve's own dtype it runs the default model's path (the file's
+    4-bit codes on the native kernels, bf16 activations where the CPU has native bf16)."""
+    path = tmp_path_factory.getbasetemp() / "runner-sharp-int4-tiny"
+    if not (path / "config.json").exists():
+        write_sharp_tiny_model(path.with_name(path.name + ".tmp"), **INT4_SHAPES)
+        path.with_name(path.name + ".tmp").rename(path)
+    return path
+
+
 def load_sharp_tiny(tmp_path_factory: Any) -> Any:
     """The sharpened tiny model loaded in fp32 on CPU (a LoadedModel)."""
     import torch
