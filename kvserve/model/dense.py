@@ -64,11 +64,14 @@ def lone_row_differs(packed: torch.Tensor) -> bool:
 
 class Linear:
     """y = x @ W.T (+ b) with a float weight, or with its `packed` form (from `pack`; then
-    `weight` may be dropped: activations of any shape and float dtype are served)."""
+    `weight` may be dropped: activations of any shape and float dtype are served).
+    `lone_rows` False: the caller never hands it a lone row (a weight-only kernel's dense
+    copy, which takes only batches above its rows), so `lone_row_differs` is not probed."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None = None,
+                 *, lone_rows: bool = True) -> None:
         self.weight, self.bias, self.packed = weight, bias, packed
-        self.lone_as_pair = packed is not None and lone_row_differs(packed)
+        self.lone_as_pair = lone_rows and packed is not None and lone_row_differs(packed)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:

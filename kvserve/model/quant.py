@@ -143,7 +143,8 @@ class _WeightOnly:
         """Keep `grid` (the quantized values in the model dtype) for large batches, packed for
         oneDNN where `pack` can."""
         packed = pack(grid)
-        self.dense = Linear(grid if packed is None else torch.empty(0, dtype=grid.dtype), self.bias, packed)
+        self.dense = Linear(grid if packed is None else torch.empty(0, dtype=grid.dtype), self.bias, packed,
+                            lone_rows=False)  # it takes batches above `dense_rows` only
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
