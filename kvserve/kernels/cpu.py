@@ -33,6 +33,7 @@ from kvserve.kernels import native
 from kvserve.kernels.metadata import StepMetadata, check_attention_args
 
 _PLAN_KEY = "cpu"
+_EVERY_KEY = "cpu-every"  # the step's `_every_token` kernel, bound once for every layer
 VIEW_MAX_BATCH = 1
 """Decode batches up to this size whose requests are each one run of slots skip the gather
 (measured: a per-request view loop only wins for a single request)."""
@@ -71,7 +72,6 @@ class _Plan:
     req_to_token: torch.Tensor
     gather: _Gather | None = None  # built on first use by the torch path
     native: native.DecodeAttention | None = None  # built on first use by the native path
-    every: native.DecodeAttention | None = None  # every token as a row (`StepMetadata.invariant`)
     buffers: dict[tuple[torch.dtype, int], tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict
     )
@@ -215,18 +215,21 @@ def _prefill(
     return out[0].transpose(0, 1)
 
 
-def _every_token(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _Plan,
-                 meta: StepMetadata, sm_scale: float) -> torch.Tensor:
+def _every_token(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMetadata,
+                 sm_scale: float) -> torch.Tensor:
     """q [T, Hq, D] -> [T, Hq, D] with every token, a prompt's too, a row of the native
     kernel that attends to the first position + 1 slots of its request: the kernel splits a
-    row by its length alone, so a token's result does not depend on its chunk or its step."""
-    if plan.every is None:
+    row by its length alone, so a token's result does not depend on its chunk or its step.
+    Needs none of the SDPA plan's slots and masks."""
+    every = meta.backend_cache.get(_EVERY_KEY)
+    if every is None:
         ext = meta.extend_lens.to(torch.int64).cpu()
         rows = torch.repeat_interleave(meta.req_pool_indices.to(torch.int64).cpu(), ext)
         lens = torch.cat([torch.arange(p + 1, p + e + 1, dtype=torch.int64)
                           for p, e in zip(meta.prefix_lens_host, meta.extend_lens_host, strict=True)])
-        plan.every = native.DecodeAttention(plan.req_to_token, rows.contiguous(), lens)
-    return plan.every(q, k_cache, v_cache, sm_scale)
+        every = native.DecodeAttention(meta.req_to_token, rows.contiguous(), lens)
+        meta.backend_cache[_EVERY_KEY] = every
+    return every(q, k_cache, v_cache, sm_scale)  # type: ignore[operator]
 
 
 def native_decode(meta: StepMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -260,11 +263,12 @@ def attention(
     else:
         k_cache.index_copy_(0, meta.out_cache_loc, k.to(k_cache.dtype))
         v_cache.index_copy_(0, meta.out_cache_loc, v.to(v_cache.dtype))
+    if (not meta.is_decode and meta.invariant and native.supports(q, k_cache)
+            and meta.req_to_token.dtype == torch.int32):
+        return _every_token(q, k_cache, v_cache, meta, sm_scale).to(q.dtype)
     plan = _plan(meta)
     if meta.is_decode:
         return _decode(q, k_cache, v_cache, plan, sm_scale).to(q.dtype)
-    if meta.invariant and native.supports(q, k_cache) and plan.req_to_token.dtype == torch.int32:
-        return _every_token(q, k_cache, v_cache, plan, meta, sm_scale).to(q.dtype)
     out = torch.empty_like(q)
     if plan.decode_tokens is not None:
         out[plan.decode_tokens] = _decode(
