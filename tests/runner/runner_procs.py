@@ -44,13 +44,19 @@ def write_sharp_tiny_model(path: Path, **config_kw: Any) -> Path:
     return path
 
 
-def sharp_tiny_dir(tmp_path_factory: Any) -> Path:
-    """The sharpened tiny model, written once per pytest session (shared by test modules)."""
-    path = tmp_path_factory.getbasetemp() / "runner-sharp-tiny"
+def _written_once(tmp_path_factory: Any, name: str, **config_kw: Any) -> Path:
+    """`write_sharp_tiny_model(**config_kw)` at `name` in the session's base temp, once per
+    pytest session (shared by test modules and xdist-safe: written aside, then renamed)."""
+    path = tmp_path_factory.getbasetemp() / name
     if not (path / "config.json").exists():
-        write_sharp_tiny_model(path.with_name(path.name + ".tmp"))
+        write_sharp_tiny_model(path.with_name(path.name + ".tmp"), **config_kw)
         path.with_name(path.name + ".tmp").rename(path)
     return path
+
+
+def sharp_tiny_dir(tmp_path_factory: Any) -> Path:
+    """The sharpened tiny model, written once per pytest session (shared by test modules)."""
+    return _written_once(tmp_path_factory, "runner-sharp-tiny")
 
 
 INT4_SHAPES = {"hidden_size": 64, "intermediate_size": 128}
@@ -61,11 +67,7 @@ def sharp_int4_tiny_dir(tmp_path_factory: Any) -> Path:
     """The sharpened tiny model in `INT4_SHAPES`, written once per pytest session: served with
     `--quantization int4` and serve's own dtype it runs the default model's path (the file's
     4-bit codes on the native kernels, bf16 activations where the CPU has native bf16)."""
-    path = tmp_path_factory.getbasetemp() / "runner-sharp-int4-tiny"
-    if not (path / "config.json").exists():
-        write_sharp_tiny_model(path.with_name(path.name + ".tmp"), **INT4_SHAPES)
-        path.with_name(path.name + ".tmp").rename(path)
-    return path
+    return _written_once(tmp_path_factory, "runner-sharp-int4-tiny", **INT4_SHAPES)
 
 
 def load_sharp_tiny(tmp_path_factory: Any) -> Any:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import re
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,7 +25,7 @@ from kvserve.messages.frontend_runner import GenerateReq, SamplingParams
 from kvserve.runner.scheduler import Scheduler, SchedulerConfig
 
 from ..memsvc.conftest import free_port
-from .runner_procs import attached, memsvc_args, memsvc_process, write_sharp_tiny_model
+from .runner_procs import attached, memsvc_args, memsvc_process, sharp_int4_tiny_dir
 
 pytestmark = pytest.mark.timeout(600)
 DTYPE = "bfloat16"
@@ -42,8 +41,7 @@ def int4_tiny(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
     if not native.int4_available():
         pytest.skip("this CPU's build has no native 4-bit kernel (the default path's)")
-    path = write_sharp_tiny_model(tmp_path_factory.mktemp("int4-tiny") / "m", hidden_size=64,
-                                  intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16)
+    path = sharp_int4_tiny_dir(tmp_path_factory)
     return load_model(str(path), dtype=getattr(torch, DTYPE), device="cpu", quantization="int4")
 
 
@@ -165,7 +163,8 @@ def test_the_property_ran_through_cache_hits_from_the_pool_and_the_host_tier() -
     assert sum(e["tier_hits"] for e in EXAMPLES) > 0
 
 
-def test_batch_invariant_off_keeps_the_switches_whose_numbers_differ(tmp_path: Path) -> None:
+def test_batch_invariant_off_keeps_the_switches_whose_numbers_differ(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
     """The flag's other side (`--batch-invariant off`): the int4 projections and the head keep
     their dense bf16 copies for batches above their rows, whose numbers are other than the
     native kernels'; on (the default) a row's logits are the same bits in a call of any size."""
@@ -174,7 +173,7 @@ def test_batch_invariant_off_keeps_the_switches_whose_numbers_differ(tmp_path: P
 
     if not native.int4_available():
         pytest.skip("this CPU's build has no native 4-bit kernel")
-    path = write_sharp_tiny_model(tmp_path / "m", hidden_size=64, intermediate_size=128)
+    path = sharp_int4_tiny_dir(tmp_path_factory)
     ids = torch.randint(0, 256, (DENSE_ROWS + 8,), generator=torch.Generator().manual_seed(3))
     same = {}
     for invariant in (True, False):
