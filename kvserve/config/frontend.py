@@ -43,6 +43,9 @@ class FrontendConfig:
                                                      "together) or Tokenize input, in characters, "
                                                      "checked before tokenizing")
     max_chat_messages: int = option(1024, help="most messages in one chat")
+    max_constraint_chars: int = option(256 * 1024, help="longest structured-output constraint (a JSON "
+                                                        "schema, regex, grammar or the choices together), "
+                                                        "in characters, checked before it is compiled")
     max_send_message_bytes: int = option(16 * 1024 * 1024, help="largest gRPC response message sent "
                                                                 "(a long Tokenize answer is the largest)")
     max_concurrent_rpcs: int = option(1024, help="calls of any kind in progress at once before gRPC "
@@ -86,7 +89,8 @@ class FrontendConfig:
         check_positive(
             self, "max_message_bytes", "max_new_tokens_cap", "default_max_new_tokens",
             "max_concurrent_streams", "max_waiting", "max_stop_strings", "max_stop_len",
-            "max_stop_token_ids", "max_prompt_chars", "max_chat_messages", "max_send_message_bytes",
+            "max_stop_token_ids", "max_prompt_chars", "max_chat_messages", "max_constraint_chars",
+            "max_send_message_bytes",
             "max_concurrent_rpcs",
             "drain_timeout_s", "runner_timeout_s",
         )

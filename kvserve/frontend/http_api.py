@@ -50,6 +50,7 @@ from kvserve.frontend.http_stream import (
     _Format,
     _unless_disconnected,
 )
+from kvserve.frontend.http_structured import LEGACY_NAMES, constraint
 from kvserve.frontend.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -69,7 +70,7 @@ KNOWN_IGNORED = frozenset((
     "add_special_tokens", "priority", "truncate_prompt_tokens", "user", "metadata", "store",
     "chat_template_kwargs", "documents", "lora_path", "lora_name", "cache_salt", "min_tokens",
     "length_penalty", "use_beam_search", "detokenize", "request_id", "parallel_tool_calls",
-    "tool_choice", "service_tier", "regex", "json_schema", "ebnf", "session_params", "rid",
+    "tool_choice", "service_tier", "session_params", "rid",
 ))
 """Fields kvserve does not use, counted under their own name; any other counts as "other"."""
 
@@ -130,6 +131,8 @@ class OpenAIFace:
             raise HTTPError(404, f"model: {body.model!r} is not served here (this server serves "
                                  f"{self.model!r})", "model", "model_not_found")
         for name in body.model_extra or ():
+            if name in LEGACY_NAMES:  # honoured: http_structured reads them
+                continue
             label = name if name in KNOWN_IGNORED else "other"
             self._on_ignored(label)
             if name not in self._warned and len(self._warned) < 256:
@@ -238,8 +241,6 @@ class OpenAIFace:
         self._refuse_common(body)
         if body.tools:
             raise _unsupported("tools", "tool calling")
-        if body.response_format and body.response_format.get("type", "text") != "text":
-            raise _unsupported("response_format", f"response_format {body.response_format.get('type')!r}")
         if body.continue_final_message:
             raise _unsupported("continue_final_message", "continue_final_message")
         if body.top_logprobs and not body.logprobs:
@@ -259,15 +260,18 @@ class OpenAIFace:
         if body.n != 1:
             raise HTTPError(400, f"n: only n=1 is supported, got {body.n} (send n requests instead)", "n",
                             "unsupported")
-        if body.logit_bias:
-            raise _unsupported("logit_bias", "logit_bias")
 
     async def _generate(self, request: Request, req: pb.GenerateRequest, body: _Sampling, fmt: _Format,
                         chat: bool) -> Response:
         req.request_id = request.headers.get("x-request-id", "") or fmt.id
+        asked = constraint(body)
+        if asked is not None:
+            req.sampling.constraint.CopyFrom(asked[1])
         try:
             call = await self.path.start(req)
         except Rejected as exc:
+            if asked is not None and exc.field.startswith("sampling.constraint"):  # named as the client did
+                exc = Rejected(exc.code, asked[0] + str(exc)[len(exc.field):], asked[0])
             raise _rejected(exc, chat) from None
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream:

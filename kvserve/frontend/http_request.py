@@ -7,7 +7,7 @@ Knows the OpenAI body models and the proto; nothing about routes, responses or r
 
 from __future__ import annotations
 
-from kvserve.frontend.http_errors import _unsupported
+from kvserve.frontend.http_errors import HTTPError, _unsupported
 from kvserve.frontend.openai_models import CompletionRequest, _Sampling
 from kvserve.v1 import generator_pb2 as pb
 
@@ -27,6 +27,10 @@ def _sampling(body: _Sampling, max_tokens: int | None, logprobs: int) -> pb.Samp
         s.seed = body.seed % 2**64
     if max_tokens is not None:
         s.max_new_tokens = max_tokens
+    for key, bias in (body.logit_bias or {}).items():
+        if not key.isdigit() or int(key) >= 2**32:
+            raise HTTPError(400, f"logit_bias: key {key!r} is not a token id", "logit_bias", "invalid_value")
+        s.logit_bias[int(key)] = bias
     return s
 
 

@@ -48,6 +48,12 @@ class _Sampling(_Body):
     repetition_penalty: float | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs, SGLang's three
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
 
     def stops(self) -> list[str]:
         if self.stop is None:
@@ -85,7 +91,6 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Body):

@@ -12,11 +12,17 @@ from dataclasses import dataclass
 
 from kvserve.config.frontend import FrontendConfig
 from kvserve.messages.frontend_runner import SamplingParams
+from kvserve.model.grammars import GrammarCache, GrammarError, llg_tokenizer
 from kvserve.model.tokenizer import CHAT_ROLES, ChatTemplateError, FrontendTokenizer
 from kvserve.v1 import generator_pb2 as pb
 
 MAX_LOGPROBS = 20
 MAX_REQUEST_ID_LEN = 256
+MAX_LOGIT_BIAS = 1024
+"""Token ids one request's logit_bias may name."""
+LOGIT_BIAS_RANGE = 100.0
+"""A bias is in [-100, 100], as OpenAI takes it."""
+_GRAMMARS: dict[int, tuple[FrontendTokenizer, GrammarCache]] = {}
 
 
 class InvalidArgument(ValueError):
@@ -142,12 +148,60 @@ def sampling_params(s: pb.SamplingParams, tok: FrontendTokenizer, cfg: FrontendC
     check_ids(list(s.stop_token_ids), tok.vocab_size, "sampling.stop_token_ids")
     if not 0 <= s.logprobs <= MAX_LOGPROBS:
         raise InvalidArgument("sampling.logprobs", f"must be in 0..{MAX_LOGPROBS}, got {s.logprobs}")
+    bias = logit_bias(s, tok.vocab_size)
+    grammar = constraint_grammar(s, tok, cfg) if s.HasField("constraint") else ""
     return SamplingParams(
         temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
         repetition_penalty=rep, presence_penalty=presence, frequency_penalty=frequency,
         seed=int(s.seed) if s.HasField("seed") else None, max_new_tokens=max_new,
         stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, logprobs=int(s.logprobs),
+        grammar=grammar, logit_bias=bias,
     )
+
+
+def logit_bias(s: pb.SamplingParams, vocab_size: int) -> dict[int, float]:
+    """`s.logit_bias`, every id in the vocabulary and every bias in [-100, 100]."""
+    if len(s.logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidArgument("sampling.logit_bias", f"{len(s.logit_bias)} token ids is more than the limit "
+                                                     f"of {MAX_LOGIT_BIAS}")
+    for tid, bias in s.logit_bias.items():
+        if tid >= vocab_size:
+            raise InvalidArgument(f"sampling.logit_bias[{tid}]", f"token id {tid} is out of vocabulary "
+                                                                f"(size {vocab_size})")
+        if not (math.isfinite(bias) and -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE):
+            raise InvalidArgument(f"sampling.logit_bias[{tid}]", f"must be in [-100, 100], got {bias}")
+    return dict(s.logit_bias)
+
+
+def grammar_cache(tok: FrontendTokenizer) -> GrammarCache:
+    """The constraint cache of `tok` (built at the first constrained request: about 0.2 s)."""
+    entry = _GRAMMARS.get(id(tok))
+    if entry is None or entry[0] is not tok:
+        cache = GrammarCache(llg_tokenizer(tok.backend.to_str(), tok.vocab_size, list(tok.eos_token_ids)))
+        entry = _GRAMMARS[id(tok)] = (tok, cache)
+    return entry[1]
+
+
+def constraint_grammar(s: pb.SamplingParams, tok: FrontendTokenizer, cfg: FrontendConfig) -> str:
+    """The grammar text of `s.constraint`, compiled (or its verdict cached); InvalidArgument
+    naming the constraint's field and what the compiler refused."""
+    kind = s.constraint.WhichOneof("kind")
+    field = f"sampling.constraint.{kind}"
+    if kind is None:
+        raise InvalidArgument("sampling.constraint", "empty: set json_schema, json_object, regex, choice or grammar")
+    value: object = getattr(s.constraint, kind)
+    if kind == "json_object" and not value:
+        raise InvalidArgument(field, "set it true, or leave the constraint unset")
+    if kind == "choice":
+        value = list(s.constraint.choice.choices)
+    size = sum(map(len, value)) if isinstance(value, list) else len(value) if isinstance(value, str) else 0
+    if size > cfg.max_constraint_chars:
+        raise InvalidArgument(field, f"{size} characters is longer than the limit of {cfg.max_constraint_chars} "
+                                     "(max_constraint_chars)")
+    try:
+        return grammar_cache(tok).grammar(kind, value)
+    except GrammarError as exc:
+        raise InvalidArgument(field, f"cannot be compiled: {exc}") from None
 
 
 def prepare(req: pb.GenerateRequest, tok: FrontendTokenizer, cfg: FrontendConfig,

@@ -15,7 +15,8 @@ frontend. `DOWN` decodes what a runner receives, `UP` what the frontend receives
 frontend ignores a runner of another version (version 2: request ids are `request_id`,
 `Hello` lost `model` and `max_running`, `TokenOut` lost `prompt_tokens` and
 `completion_tokens`: nothing read them; version 3: `TokenOut.error_code`, which a
-version-2 frontend cannot decode).
+version-2 frontend cannot decode; version 4: `SamplingParams.grammar` and `logit_bias`, which a
+version-3 runner would drop, giving unconstrained text).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ STATUS_INTERVAL_S = 0.25
 `RUNNER_TIMEOUT_S` of silence (or at once when its local pid is gone)."""
 RUNNER_TIMEOUT_S = 1.5
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """The shape of this link's messages; `Hello.protocol` carries the runner's."""
 
 GREEDY_TEMPERATURE = 1e-5
@@ -85,6 +86,8 @@ class SamplingParams(Item, frozen=True, gc=False):
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int = 0  # top-n logprobs per sampled token; 0 = none
+    grammar: str = ""  # llguidance grammar text (kvserve.model.grammars) the output must match; "" = none
+    logit_bias: dict[int, float] = msgspec.field(default_factory=dict)  # token id -> added to its logit
 
 
 class GenerateReq(Message, frozen=True, gc=False):

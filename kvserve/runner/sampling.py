@@ -26,6 +26,7 @@ import hashlib
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -88,6 +89,14 @@ class SampleRow:
     seed: int | None = None  # set for seeded sampled requests
     index: int = 0  # which output token of the request this row draws (the scheduler sets it)
     penalties: PenaltyState | None = None  # set when needs_penalties(params)
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None  # logit_bias: (token ids, biases)
+    matcher: Any = None  # the grammar matcher of a constrained request (kvserve.runner.grammar)
+
+    @property
+    def plain(self) -> bool:
+        """Its token is the argmax of the raw logits (greedy, nothing added or masked)."""
+        return (is_greedy(self.params) and self.params.logprobs <= 0 and self.penalties is None
+                and self.bias is None and self.matcher is None)
 
 
 @dataclass(slots=True)
@@ -196,17 +205,19 @@ class Sampler:
         self._keyed = torch.Generator(device=self.device)  # reseeded for each seeded draw
         self.argmax = argmax
 
-    def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleOutput:
+    def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow],
+               masks: tuple[list[int], torch.Tensor] | None = None) -> SampleOutput:
         """Pick the next token of each row of `logits` ([B, V] float32 or the model's dtype,
         one row per entry of `rows`). A row holding NaN or inf is not sampled: its
-        `nonfinite` entry is True and its token -1. Does not mutate `logits` or the penalty
-        states: the caller counts the new tokens."""
+        `nonfinite` entry is True and its token -1. `masks`: (rows, int32 bitmask, a row of
+        words per row: bit t of a row allows token t), the allowed tokens of the constrained
+        rows (`kvserve.runner.grammar`). Does not mutate `logits` or the penalty states: the
+        caller counts the new tokens."""
         n = len(rows)
         if logits.shape[0] != n:
             raise ValueError(f"logits has {logits.shape[0]} rows, {n} sample rows given")
         params = [r.params for r in rows]
-        if self.argmax is not None and all(is_greedy(p) and p.logprobs <= 0 and r.penalties is None
-                                           for p, r in zip(params, rows, strict=True)):
+        if self.argmax is not None and all(r.plain for r in rows):
             read = self.argmax(logits)
             if read is not None:
                 top, finite = read
@@ -225,13 +236,21 @@ class Sampler:
         top_n = min(max((p.logprobs for p in params), default=0), logits.shape[-1])
         raw_logprobs = logits.log_softmax(dim=-1) if top_n > 0 else None
         penal = [i for i, r in enumerate(rows) if r.penalties is not None]
+        biased = [i for i, r in enumerate(rows) if r.bias is not None]
+        changed = bool(penal or biased or masks)
+        if changed and not copied:
+            logits = logits.clone()  # penalties, biases and masks apply in place
         if penal:
-            logits = logits if copied else logits.clone()  # penalties apply in place
             apply_penalties(
                 logits, penal, [rows[i].penalties for i in penal], [params[i] for i in penal]  # type: ignore[misc]
             )
+        for i in biased:
+            ids, bias = rows[i].bias  # type: ignore[misc]
+            logits[i].index_add_(0, ids, bias).clamp_(-FLOAT32_MAX, FLOAT32_MAX)
+        if masks:
+            apply_masks(logits, *masks)
         sampled = [i for i, p in enumerate(params) if not is_greedy(p)]
-        tokens = logits.argmax(dim=-1) if penal else top
+        tokens = logits.argmax(dim=-1) if changed else top
         if sampled:
             chosen = self._sample_rows(logits, sampled, rows)
             if len(sampled) == n:
@@ -283,6 +302,17 @@ class Sampler:
                 noise[j].exponential_(generator=self._keyed)
         # A draw of exactly 0 would make p / E inf, or NaN (the maximum) for a filtered token.
         return (probs / noise.clamp_(min=FLOAT32_TINY)).argmax(dim=-1)
+
+
+def apply_masks(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+    """Set to -inf, in place, the logits of `rows` whose bit in `bitmask` is 0 (a row of int32
+    words per row, bit t of word t // 32 for token t); the other rows are not touched."""
+    idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask.to(logits.device).unsqueeze(-1) >> shifts) & 1).reshape(len(rows), -1)[:, :vocab].bool()
+    sub = logits.index_select(0, idx).masked_fill_(~allowed, float("-inf"))
+    logits.index_copy_(0, idx, sub)
 
 
 def _gather_logprobs(

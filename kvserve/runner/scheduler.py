@@ -33,68 +33,17 @@ from kvserve.messages.frontend_runner import (
     ErrorCode,
     FinishReason,
     GenerateReq,
-    SamplingParams,
     TokenOut,
 )
 from kvserve.messages.runner_memsvc import Layout
 from kvserve.runner.batching import ForwardBatch
+from kvserve.runner.checks import MAX_WAITING, check_params, failed_output
+from kvserve.runner.grammar import Constrainer
 from kvserve.runner.kvplan import KVPlanner, Work
 from kvserve.runner.requests import Request, RequestTable, State
-from kvserve.runner.sampling import (
-    SEED_RANGE,
-    PenaltyState,
-    Sampler,
-    SampleRow,
-    is_greedy,
-    needs_penalties,
-)
+from kvserve.runner.sampling import PenaltyState, Sampler, SampleRow, is_greedy, needs_penalties
 
 log = logging.getLogger("kvserve.runner")
-
-MAX_WAITING = 4096
-"""Requests one runner queues; more fail at once (the frontend bounds them well below)."""
-MAX_LOGPROBS = 20
-"""Top-n logprobs a request may ask for (the frontend's cap, `validation.MAX_LOGPROBS`)."""
-MAX_STOP_TOKEN_IDS = 4096
-"""Stop token ids one request may carry (above the frontend's default max_stop_token_ids, 256)."""
-MAX_NEW_TOKENS = (1 << 63) - 1
-"""The largest max_new_tokens taken (the context length ends a request long before)."""
-
-
-def failed_output(request_id: str, error: str, code: str = ErrorCode.UNAVAILABLE) -> TokenOut:
-    """The final output of a request that fails before it produced anything."""
-    return TokenOut(request_id=request_id, token_ids=[], finish_reason=FinishReason.ERROR, error=error,
-                    error_code=code)
-
-
-def check_params(p: SamplingParams, vocab_size: int) -> str:
-    """The first bad field of `p` as ``"params.<field>: <problem>"``; "" when all are good."""
-    if not (math.isfinite(p.temperature) and p.temperature >= 0):
-        return f"params.temperature: must be a finite number >= 0, got {p.temperature}"
-    if not 0 < p.top_p <= 1:
-        return f"params.top_p: must be in (0, 1], got {p.top_p}"
-    if p.top_k < 0:
-        return f"params.top_k: must be >= 0 (0 = off), got {p.top_k}"
-    if not 0 <= p.min_p <= 1:
-        return f"params.min_p: must be in [0, 1], got {p.min_p}"
-    if not (math.isfinite(p.repetition_penalty) and p.repetition_penalty > 0):
-        return f"params.repetition_penalty: must be a finite number > 0, got {p.repetition_penalty}"
-    for name in ("presence_penalty", "frequency_penalty"):
-        if not math.isfinite(getattr(p, name)):
-            return f"params.{name}: must be a finite number, got {getattr(p, name)}"
-    if p.seed is not None and not SEED_RANGE[0] <= p.seed < SEED_RANGE[1]:
-        return f"params.seed: must be in [-2**63, 2**64), got {p.seed}"
-    if not 1 <= p.max_new_tokens <= MAX_NEW_TOKENS:
-        return f"params.max_new_tokens: must be in 1..2**63-1, got {p.max_new_tokens}"
-    if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        return f"params.stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(p.stop_token_ids)}"
-    for i, tid in enumerate(p.stop_token_ids):
-        if not 0 <= tid < vocab_size:
-            return f"params.stop_token_ids[{i}]: id {tid} is not in [0, {vocab_size})"
-    if not 0 <= p.logprobs <= MAX_LOGPROBS:
-        return f"params.logprobs: must be in 0..{MAX_LOGPROBS}, got {p.logprobs}"
-    return ""
-
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
@@ -126,8 +75,11 @@ class Scheduler:
         metrics: Any = None,
         workspace: Any = None,
         fault_layer_delay_s: float = 0.0,
+        constrainer: Constrainer | None = None,
     ) -> None:
+        """`constrainer` masks the requests that carry a grammar; without one they are refused."""
         self.model = model
+        self.constrainer = constrainer
         self.backend = backend
         self.config = config or SchedulerConfig()
         self.clock = clock
@@ -182,6 +134,20 @@ class Scheduler:
         row = SampleRow(p, seed=p.seed if not is_greedy(p) else None)
         if needs_penalties(p):
             row.penalties = PenaltyState.create(msg.token_ids, self.vocab_size, self.device)
+        if p.logit_bias:
+            row.bias = (torch.tensor(list(p.logit_bias), dtype=torch.long, device=self.device),
+                        torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=self.device))
+        if p.grammar:
+            if self.constrainer is None:
+                self._outbox.append(failed_output(msg.request_id, "params.grammar: this runner has no tokenizer "
+                                                  "to constrain with", ErrorCode.INVALID_ARGUMENT))
+                return
+            try:
+                row.matcher = self.constrainer.matcher(p.grammar)
+            except ValueError as exc:
+                self._outbox.append(failed_output(msg.request_id, f"params.grammar: {exc}",
+                                                  ErrorCode.INVALID_ARGUMENT))
+                return
         n = len(msg.token_ids)
         req = Request(
             request_id=msg.request_id, prompt_len=n, tokens=list(msg.token_ids), params=p,
@@ -285,6 +251,10 @@ class Scheduler:
             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, device=self.device,
             workspace=self.workspace, invariant=self.config.batch_invariant,
         )
+        constrained = [i for i, r in enumerate(batch.sampling) if r.sample_row.matcher is not None]
+        fill = None
+        if constrained and self.constrainer is not None:  # the masks are computed while the model runs
+            fill = self.constrainer.fill(constrained, [batch.sampling[i].sample_row.matcher for i in constrained])
         logits = model.forward(
             batch.input_ids, batch.meta, k_buffer=self.mem.k_buffer, v_buffer=self.mem.v_buffer,
             backend=self.backend, logits_indices=batch.logits_indices, fence=self._layer_fence(),
@@ -305,7 +275,8 @@ class Scheduler:
         if batch.sampling:
             for r in batch.sampling:
                 r.sample_row.index = len(r.tokens) - r.prompt_len  # the output token it draws
-            sampled = self.sampler.sample(logits, [r.sample_row for r in batch.sampling])
+            masks = fill.result() if fill is not None else None
+            sampled = self.sampler.sample(logits, [r.sample_row for r in batch.sampling], masks=masks)
             for req, tok, lp, bad in zip(batch.sampling, sampled.token_ids, sampled.logprobs,
                                          sampled.nonfinite, strict=True):
                 out.append(self._fail_nonfinite(req) if bad else self._emit(req, tok, lp))
@@ -321,7 +292,14 @@ class Scheduler:
         if req.sample_row.penalties is not None:
             req.sample_row.penalties.add(tok)
         reason = ""
-        if tok in req.stop_ids:
+        matcher = req.sample_row.matcher
+        if matcher is not None:
+            done, error = Constrainer.accept(matcher, tok)
+            if error:
+                return self._fail_grammar(req, error)
+            if done:
+                reason = FinishReason.STOP
+        if reason or tok in req.stop_ids:
             reason = FinishReason.STOP
         elif len(req.tokens) >= req.max_tokens:
             reason = FinishReason.LENGTH
@@ -345,6 +323,14 @@ class Scheduler:
         self.kv.release(req, keep_kv=False)
         out = self._final(req, FinishReason.ERROR, error="the model produced non-finite logits (NaN or inf)",
                           code=ErrorCode.INTERNAL)
+        self.table.finish(req)
+        return out
+
+    def _fail_grammar(self, req: Request, error: str) -> TokenOut:
+        """The grammar refused the token its own mask allowed: fail `req` (INTERNAL)."""
+        log.error("request %s: the grammar refused its sampled token: %s", req.request_id, error)
+        self.kv.release(req, keep_kv=True)
+        out = self._final(req, FinishReason.ERROR, error=f"structured output: {error}", code=ErrorCode.INTERNAL)
         self.table.finish(req)
         return out
 

@@ -104,6 +104,7 @@ class Worker(FrontendLink):
         from kvserve.kernels import DecodeWorkspace, get_backend
         from kvserve.metrics import serve_metrics
         from kvserve.model.weights import load_model
+        from kvserve.runner.grammar import Constrainer
         from kvserve.runner.metrics import RunnerMetrics
         from kvserve.runner.scheduler import Scheduler, SchedulerConfig
 
@@ -142,7 +143,8 @@ class Worker(FrontendLink):
         self.sched = Scheduler(
             model=self.loaded.model, mem=self.mem, layout=self.mem.layout, backend=backend,
             eos_token_ids=self.loaded.eos_token_ids, metrics=self.metrics, workspace=workspace,
-            fault_layer_delay_s=self._layer_delay_s,
+            fault_layer_delay_s=self._layer_delay_s, constrainer=Constrainer(
+                self.loaded.tokenizer.backend_tokenizer.to_str(), int(mc.vocab_size), self.loaded.eos_token_ids),
             config=SchedulerConfig(max_running=cfg.max_running, max_batch_tokens=cfg.max_batch_tokens,
                                    chunk_size=cfg.chunk_size, seed=cfg.seed,
                                    batch_invariant=cfg.batch_invariant == "on"),
@@ -309,7 +311,7 @@ class Worker(FrontendLink):
     def _shutdown_outputs(self) -> list[TokenOut]:
         if self.sched is None:
             return []
-        from kvserve.runner.scheduler import failed_output
+        from kvserve.runner.checks import failed_output
 
         return self.sched.fail_running("runner shutting down") + [
             failed_output(r.request_id, "runner shutting down") for r in list(self.sched.table)

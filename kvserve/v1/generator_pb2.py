@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvserve/v1/generator.proto\x12\nkvserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"o\n\x04\x43hat\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.kvserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xce\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x07\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x10\n\x08logprobs\x18\r \x01(\x05\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x11\n\x0f_max_new_tokens\"\xba\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.kvserve.v1.TokenIdsH\x00\x12 \n\x04\x63hat\x18\x04 \x01(\x0b\x32\x10.kvserve.v1.ChatH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.kvserve.v1.SamplingParamsB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.kvserve.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"\xac\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.kvserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.kvserve.v1.Usage\"\x15\n\x13GetModelInfoRequest\"\x94\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x17\n\x0fmax_context_len\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x19\n\x11has_chat_template\x18\x05 \x01(\x08\x12\x1a\n\x12max_new_tokens_cap\x18\x06 \x01(\r\"L\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12 \n\x04\x63hat\x18\x02 \x01(\x0b\x32\x10.kvserve.v1.ChatH\x00\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"a\n\nRunnerLoad\x12\x11\n\trunner_id\x18\x01 \x01(\t\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x10\n\x08kv_usage\x18\x04 \x01(\x02\x12\x0c\n\x04live\x18\x05 \x01(\x08\"W\n\nLoadReport\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\'\n\x07runners\x18\x03 \x03(\x0b\x32\x16.kvserve.v1.RunnerLoad2\xe0\x02\n\tGenerator\x12G\n\x08Generate\x12\x1b.kvserve.v1.GenerateRequest\x1a\x1c.kvserve.v1.GenerateResponse0\x01\x12\x46\n\x0cGetModelInfo\x12\x1f.kvserve.v1.GetModelInfoRequest\x1a\x15.kvserve.v1.ModelInfo\x12\x45\n\x08Tokenize\x12\x1b.kvserve.v1.TokenizeRequest\x1a\x1c.kvserve.v1.TokenizeResponse\x12<\n\x05\x41\x62ort\x12\x18.kvserve.v1.AbortRequest\x1a\x19.kvserve.v1.AbortResponse\x12=\n\x07GetLoad\x12\x1a.kvserve.v1.GetLoadRequest\x1a\x16.kvserve.v1.LoadReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvserve/v1/generator.proto\x12\nkvserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"o\n\x04\x43hat\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.kvserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xeb\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x07\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x10\n\x08logprobs\x18\r \x01(\x05\x12*\n\nconstraint\x18\x0e \x01(\x0b\x32\x16.kvserve.v1.Constraint\x12=\n\nlogit_bias\x18\x0f \x03(\x0b\x32).kvserve.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x11\n\x0f_max_new_tokens\"\x8d\x01\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x13.kvserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xba\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.kvserve.v1.TokenIdsH\x00\x12 \n\x04\x63hat\x18\x04 \x01(\x0b\x32\x10.kvserve.v1.ChatH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.kvserve.v1.SamplingParamsB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.kvserve.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"\xac\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.kvserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.kvserve.v1.Usage\"\x15\n\x13GetModelInfoRequest\"\x94\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x17\n\x0fmax_context_len\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x19\n\x11has_chat_template\x18\x05 \x01(\x08\x12\x1a\n\x12max_new_tokens_cap\x18\x06 \x01(\r\"L\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12 \n\x04\x63hat\x18\x02 \x01(\x0b\x32\x10.kvserve.v1.ChatH\x00\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"a\n\nRunnerLoad\x12\x11\n\trunner_id\x18\x01 \x01(\t\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x10\n\x08kv_usage\x18\x04 \x01(\x02\x12\x0c\n\x04live\x18\x05 \x01(\x08\"W\n\nLoadReport\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\'\n\x07runners\x18\x03 \x03(\x0b\x32\x16.kvserve.v1.RunnerLoad2\xe0\x02\n\tGenerator\x12G\n\x08Generate\x12\x1b.kvserve.v1.GenerateRequest\x1a\x1c.kvserve.v1.GenerateResponse0\x01\x12\x46\n\x0cGetModelInfo\x12\x1f.kvserve.v1.GetModelInfoRequest\x1a\x15.kvserve.v1.ModelInfo\x12\x45\n\x08Tokenize\x12\x1b.kvserve.v1.TokenizeRequest\x1a\x1c.kvserve.v1.TokenizeResponse\x12<\n\x05\x41\x62ort\x12\x18.kvserve.v1.AbortRequest\x1a\x19.kvserve.v1.AbortResponse\x12=\n\x07GetLoad\x12\x1a.kvserve.v1.GetLoadRequest\x1a\x16.kvserve.v1.LoadReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvserve.v1.generator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_CHATMESSAGE']._serialized_start=42
   _globals['_CHATMESSAGE']._serialized_end=86
   _globals['_CHAT']._serialized_start=88
@@ -38,35 +40,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=201
   _globals['_TOKENIDS']._serialized_end=224
   _globals['_SAMPLINGPARAMS']._serialized_start=227
-  _globals['_SAMPLINGPARAMS']._serialized_end=689
-  _globals['_GENERATEREQUEST']._serialized_start=692
-  _globals['_GENERATEREQUEST']._serialized_end=878
-  _globals['_TOPLOGPROB']._serialized_start=880
-  _globals['_TOPLOGPROB']._serialized_end=927
-  _globals['_TOKENLOGPROB']._serialized_start=929
-  _globals['_TOKENLOGPROB']._serialized_end=1015
-  _globals['_USAGE']._serialized_start=1017
-  _globals['_USAGE']._serialized_end=1097
-  _globals['_GENERATERESPONSE']._serialized_start=1100
-  _globals['_GENERATERESPONSE']._serialized_end=1272
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1274
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1295
-  _globals['_MODELINFO']._serialized_start=1298
-  _globals['_MODELINFO']._serialized_end=1446
-  _globals['_TOKENIZEREQUEST']._serialized_start=1448
-  _globals['_TOKENIZEREQUEST']._serialized_end=1524
-  _globals['_TOKENIZERESPONSE']._serialized_start=1526
-  _globals['_TOKENIZERESPONSE']._serialized_end=1563
-  _globals['_ABORTREQUEST']._serialized_start=1565
-  _globals['_ABORTREQUEST']._serialized_end=1599
-  _globals['_ABORTRESPONSE']._serialized_start=1601
-  _globals['_ABORTRESPONSE']._serialized_end=1633
-  _globals['_GETLOADREQUEST']._serialized_start=1635
-  _globals['_GETLOADREQUEST']._serialized_end=1651
-  _globals['_RUNNERLOAD']._serialized_start=1653
-  _globals['_RUNNERLOAD']._serialized_end=1750
-  _globals['_LOADREPORT']._serialized_start=1752
-  _globals['_LOADREPORT']._serialized_end=1839
-  _globals['_GENERATOR']._serialized_start=1842
-  _globals['_GENERATOR']._serialized_end=2194
+  _globals['_SAMPLINGPARAMS']._serialized_end=846
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=658
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=706
+  _globals['_CONSTRAINT']._serialized_start=849
+  _globals['_CONSTRAINT']._serialized_end=990
+  _globals['_CHOICES']._serialized_start=992
+  _globals['_CHOICES']._serialized_end=1018
+  _globals['_GENERATEREQUEST']._serialized_start=1021
+  _globals['_GENERATEREQUEST']._serialized_end=1207
+  _globals['_TOPLOGPROB']._serialized_start=1209
+  _globals['_TOPLOGPROB']._serialized_end=1256
+  _globals['_TOKENLOGPROB']._serialized_start=1258
+  _globals['_TOKENLOGPROB']._serialized_end=1344
+  _globals['_USAGE']._serialized_start=1346
+  _globals['_USAGE']._serialized_end=1426
+  _globals['_GENERATERESPONSE']._serialized_start=1429
+  _globals['_GENERATERESPONSE']._serialized_end=1601
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1603
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1624
+  _globals['_MODELINFO']._serialized_start=1627
+  _globals['_MODELINFO']._serialized_end=1775
+  _globals['_TOKENIZEREQUEST']._serialized_start=1777
+  _globals['_TOKENIZEREQUEST']._serialized_end=1853
+  _globals['_TOKENIZERESPONSE']._serialized_start=1855
+  _globals['_TOKENIZERESPONSE']._serialized_end=1892
+  _globals['_ABORTREQUEST']._serialized_start=1894
+  _globals['_ABORTREQUEST']._serialized_end=1928
+  _globals['_ABORTRESPONSE']._serialized_start=1930
+  _globals['_ABORTRESPONSE']._serialized_end=1962
+  _globals['_GETLOADREQUEST']._serialized_start=1964
+  _globals['_GETLOADREQUEST']._serialized_end=1980
+  _globals['_RUNNERLOAD']._serialized_start=1982
+  _globals['_RUNNERLOAD']._serialized_end=2079
+  _globals['_LOADREPORT']._serialized_start=2081
+  _globals['_LOADREPORT']._serialized_end=2168
+  _globals['_GENERATOR']._serialized_start=2171
+  _globals['_GENERATOR']._serialized_end=2523
 # @@protoc_insertion_point(module_scope)

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from kvserve.kernels import get_backend
 from kvserve.messages.frontend_runner import FinishReason, GenerateReq, SamplingParams
-from kvserve.runner.scheduler import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, Scheduler, SchedulerConfig
+from kvserve.runner.checks import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
+from kvserve.runner.scheduler import Scheduler, SchedulerConfig
 
 from .runner_procs import attached, load_sharp_tiny, memsvc_args, memsvc_process
 

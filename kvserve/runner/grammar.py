@@ -1,0 +1,96 @@
+"""Structured outputs in the runner: a constrained request's grammar matcher, and each step's
+token masks.
+
+A request whose `SamplingParams.grammar` is set (llguidance grammar text, compiled and checked
+by the frontend: `kvserve.model.grammars`) gets a `llguidance.LLMatcher` at `Constrainer.matcher`.
+Each step, `Constrainer.fill` computes the allowed-token bitmask of every constrained row that
+samples, in one call over llguidance's thread pool, started before the forward and read after
+it (`Fill.result`): the masks are computed while the model runs. The sampler applies a mask to
+its row only (`Sampler.sample(..., masks=)`), so unconstrained rows in the same step pay
+nothing and keep their numbers. After sampling, `accept` feeds the token to the matcher: the
+request ends ("stop") when the grammar is complete, and fails when the matcher refuses the token
+(which a mask makes impossible unless the grammar library errs).
+
+A matcher lives on the request, so a preempted request resumes with it where it was. Knows
+llguidance and torch; nothing about memsvc, sockets or the scheduler's tables.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import llguidance
+import llguidance.torch
+import torch
+
+from kvserve.model.grammars import LIMITS, llg_tokenizer
+
+
+class Fill:
+    """The masks of one step's constrained rows, being computed."""
+
+    def __init__(self, rows: list[int], future: Future | None, bitmask: torch.Tensor) -> None:
+        self.rows = rows  # indices into the step's sampling rows
+        self._future = future
+        self._bitmask = bitmask
+
+    def result(self) -> tuple[list[int], torch.Tensor]:
+        """(rows, int32 bitmask [len(rows), ceil(V / 32)]) once the masks are done."""
+        if self._future is not None:
+            self._future.result()
+        return self.rows, self._bitmask
+
+
+class Constrainer:
+    """Matchers and masks for one runner's model: `tokenizer_json` is the model tokenizer's
+    to_str(), `n_vocab` the width of its logits. The llguidance tokenizer (about 0.2 s) is
+    built at the first constrained request."""
+
+    def __init__(self, tokenizer_json: str, n_vocab: int, eos_token_ids: list[int]) -> None:
+        self._json = tokenizer_json
+        self.n_vocab = n_vocab
+        self.eos = list(eos_token_ids)
+        self._tok: llguidance.LLTokenizer | None = None
+        self._executor: llguidance.LLExecutor | None = None
+        self._thread: ThreadPoolExecutor | None = None
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        if self._tok is None:
+            self._tok = llg_tokenizer(self._json, self.n_vocab, self.eos)
+            self._executor = llguidance.LLExecutor()
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="runner-grammar")
+        return self._tok
+
+    def matcher(self, grammar: str) -> llguidance.LLMatcher:
+        """A matcher at the start of `grammar`; ValueError with llguidance's message when the
+        grammar does not compile (the frontend checks it first: this is a hostile peer's)."""
+        m = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=LIMITS)
+        if m.is_error():
+            raise ValueError(m.get_error())
+        return m
+
+    def fill(self, rows: list[int], matchers: list[Any]) -> Fill:
+        """Start computing the masks of `matchers` (those of sampling rows `rows`)."""
+        bitmask = llguidance.torch.allocate_token_bitmask(len(rows), self.n_vocab)
+        if not rows:
+            return Fill(rows, None, bitmask)
+        _ = self.tokenizer
+        assert self._thread is not None and self._executor is not None
+        pairs = [(m, i) for i, m in enumerate(matchers)]
+        future = self._thread.submit(llguidance.torch.fill_next_token_bitmask_par, self._executor, pairs,
+                                     bitmask)
+        return Fill(rows, future, bitmask)
+
+    @staticmethod
+    def accept(matcher: Any, token_id: int) -> tuple[bool, str]:
+        """Feed the sampled `token_id`: (grammar complete, error: "" unless it was refused)."""
+        if not matcher.consume_token(token_id):
+            return False, matcher.get_error() or f"token {token_id} is not allowed by the grammar"
+        return matcher.is_stopped(), ""
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=False)
+
