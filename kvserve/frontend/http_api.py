@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve import __version__
 from kvserve.config.frontend import FrontendConfig
+from kvserve.frontend.http_choices import MAX_N, Choices
 from kvserve.frontend.http_errors import (
     HTTPError,
     _grpc_name,
@@ -39,6 +40,7 @@ from kvserve.frontend.http_errors import (
     _validation_error,
     error_body,
 )
+from kvserve.frontend.http_fields import check_extra
 from kvserve.frontend.http_guard import _Guard
 from kvserve.frontend.http_request import _chat, _prompts, _sampling
 from kvserve.frontend.http_stream import (
@@ -58,21 +60,12 @@ from kvserve.frontend.openai_models import (
     TokenizeRequest,
     _Sampling,
 )
-from kvserve.frontend.requests import Call, Rejected, RequestPath, Step
+from kvserve.frontend.requests import Rejected, RequestPath, Step
 from kvserve.frontend.validation import MAX_LOGPROBS, InvalidArgument, check_ids, prompt_ids
 from kvserve.v1 import generator_pb2 as pb
 
 log = logging.getLogger("kvserve.frontend")
 
-KNOWN_IGNORED = frozenset((
-    "echo", "no_stop_trim", "skip_special_tokens", "spaces_between_special_tokens", "return_hidden_states",
-    "separate_reasoning", "stream_reasoning", "include_reasoning", "include_stop_str_in_output",
-    "add_special_tokens", "priority", "truncate_prompt_tokens", "user", "metadata", "store",
-    "chat_template_kwargs", "documents", "lora_path", "lora_name", "cache_salt", "min_tokens",
-    "length_penalty", "use_beam_search", "detokenize", "request_id", "parallel_tool_calls",
-    "tool_choice", "service_tier", "session_params", "rid",
-))
-"""Fields kvserve does not use, counted under their own name; any other counts as "other"."""
 
 
 class OpenAIFace:
@@ -130,10 +123,10 @@ class OpenAIFace:
         if getattr(body, "model", None) not in (None, self.model):
             raise HTTPError(404, f"model: {body.model!r} is not served here (this server serves "
                                  f"{self.model!r})", "model", "model_not_found")
-        for name in body.model_extra or ():
+        for name, value in (body.model_extra or {}).items():
             if name in LEGACY_NAMES:  # honoured: http_structured reads them
                 continue
-            label = name if name in KNOWN_IGNORED else "other"
+            label = check_extra(name, value)  # an HTTPError where the value asks for what kvserve does not do
             self._on_ignored(label)
             if name not in self._warned and len(self._warned) < 256:
                 self._warned.add(name)
@@ -218,8 +211,8 @@ class OpenAIFace:
     async def completions(self, request: Request) -> Response:
         body: CompletionRequest = await self._parse(request, CompletionRequest)
         self._refuse_common(body)
-        if body.echo:
-            raise _unsupported("echo", "echo")
+        if body.echo and body.logprobs is not None:
+            raise _unsupported("echo", "echo with logprobs (the prompt's own logprobs)")
         if body.best_of not in (None, 1):
             raise _unsupported("best_of", "best_of > 1")
         if body.suffix:
@@ -234,6 +227,9 @@ class OpenAIFace:
         req = prompts[0]
         req.sampling.CopyFrom(_sampling(body, body.max_tokens, 0 if top is None else max(top, 1)))
         fmt = _CompletionFormat(self, "cmpl-", top)
+        if body.echo:
+            fmt.echo = req.text if req.HasField("text") else await asyncio.to_thread(self.tok.decode,
+                                                                                    list(req.token_ids.ids))
         return await self._generate(request, req, body, fmt, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -243,6 +239,8 @@ class OpenAIFace:
             raise _unsupported("tools", "tool calling")
         if body.continue_final_message:
             raise _unsupported("continue_final_message", "continue_final_message")
+        if body.echo:
+            raise _unsupported("echo", "echo on a chat (the last message prepended to the reply)")
         if body.top_logprobs and not body.logprobs:
             raise HTTPError(400, "top_logprobs: needs logprobs set to true", "top_logprobs", "invalid_value")
         top = (body.top_logprobs or 0) if body.logprobs else None
@@ -257,9 +255,8 @@ class OpenAIFace:
 
     @staticmethod
     def _refuse_common(body: _Sampling) -> None:
-        if body.n != 1:
-            raise HTTPError(400, f"n: only n=1 is supported, got {body.n} (send n requests instead)", "n",
-                            "unsupported")
+        if not 1 <= body.n <= MAX_N:
+            raise HTTPError(400, f"n: must be in 1..{MAX_N}, got {body.n}", "n", "invalid_value")
 
     async def _generate(self, request: Request, req: pb.GenerateRequest, body: _Sampling, fmt: _Format,
                         chat: bool) -> Response:
@@ -267,39 +264,48 @@ class OpenAIFace:
         asked = constraint(body)
         if asked is not None:
             req.sampling.constraint.CopyFrom(asked[1])
+        arrival = time.monotonic()
         try:
-            call = await self.path.start(req)
+            prep = await self.path.prepare(req)
+            if body.n > self.cfg.max_concurrent_streams:
+                raise self.path.reject("INVALID_ARGUMENT", f"n: {body.n} choices is more than the "
+                                       f"{self.cfg.max_concurrent_streams} streams this server runs at once "
+                                       "(max_concurrent_streams)", "n")
+            first = self.path.admit(req.request_id, prep, arrival)
         except Rejected as exc:
             if asked is not None and exc.field.startswith("sampling.constraint"):  # named as the client did
                 exc = Rejected(exc.code, asked[0] + str(exc)[len(exc.field):], asked[0])
             raise _rejected(exc, chat) from None
+        choices = Choices(self.path, first, prep, req.request_id, body.n, arrival)
+        fmt.n = body.n
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream:
-            return _EventStream(self._events(call, fmt, include_usage, chat), lambda: self.path.close(call))
-        return await _unless_disconnected(request, self._whole(call, fmt, chat))
+            return _EventStream(self._events(choices, fmt, include_usage, chat), choices.close)
+        return await _unless_disconnected(request, self._whole(choices, fmt, chat))
 
-    async def _events(self, call: Call, fmt: _Format, include_usage: bool, chat: bool) -> AsyncIterator[bytes]:
+    async def _events(self, choices: Choices, fmt: _Format, include_usage: bool,
+                      chat: bool) -> AsyncIterator[bytes]:
         try:
             yield fmt.first_event()
-            async for step in self.path.steps(call):
+            async for index, step in choices.steps():
                 if step.text or step.finish_reason or fmt.top is not None:
-                    yield b"data: " + _encode(fmt.chunk(step)) + b"\n\n"
-                if step.usage is not None and include_usage:
-                    yield b"data: " + _encode(fmt.usage_chunk(step.usage)) + b"\n\n"
+                    yield b"data: " + _encode(fmt.chunk(step, index)) + b"\n\n"
+            if include_usage:
+                yield b"data: " + _encode(fmt.usage_chunk(choices.usage())) + b"\n\n"
         except Rejected as exc:
             err = _rejected(exc, chat)
             yield b"data: " + _encode(error_body(err.status, str(err), err.param, err.code)) + b"\n\n"
         finally:
-            self.path.close(call)
+            choices.close()
         yield SSE_DONE
 
-    async def _whole(self, call: Call, fmt: _Format, chat: bool) -> Response:
-        steps: list[Step] = []
+    async def _whole(self, choices: Choices, fmt: _Format, chat: bool) -> Response:
+        steps: list[list[Step]] = [[] for _ in range(choices.n)]
         try:
-            async for step in self.path.steps(call):
-                steps.append(step)
+            async for index, step in choices.steps():
+                steps[index].append(step)
         except Rejected as exc:
             raise _rejected(exc, chat) from None
         finally:
-            self.path.close(call)
-        return Response(_encode(fmt.whole(steps)), media_type="application/json")
+            choices.close()
+        return Response(_encode(fmt.whole(steps, choices.usage())), media_type="application/json")

@@ -48,7 +48,8 @@ class _Format:
         self.id = prefix + uuid.uuid4().hex
         self.created = int(time.time())
         self.top = top  # None: no logprobs; else the number of alternatives per token
-        self._offset = 0
+        self.n = 1  # choices
+        self._offset: dict[int, int] = {}  # the text offset of each choice's next token
 
     def _head(self, object_name: str) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.face.model}
@@ -59,52 +60,67 @@ class _Format:
     def first_event(self) -> bytes:
         return b""
 
+    def choices(self, per_choice: list[list[Step]]) -> list[dict]:
+        return [self.choice(steps, i) for i, steps in enumerate(per_choice)]
+
+    def whole(self, per_choice: list[list[Step]], usage: Usage) -> dict:
+        return self._head(self.whole_object) | {"choices": self.choices(per_choice), "usage": _usage(usage)}
+
+    whole_object = ""
+
+    def choice(self, steps: list[Step], index: int) -> dict:
+        raise NotImplementedError
+
     def usage_chunk(self, usage: Usage) -> dict:
         return self._head(self.chunk_object) | {"choices": [], "usage": _usage(usage)}
 
     chunk_object = ""
 
-    def chunk(self, step: Step) -> dict:
-        raise NotImplementedError
-
-    def whole(self, steps: list[Step]) -> dict:
+    def chunk(self, step: Step, index: int = 0) -> dict:
         raise NotImplementedError
 
 
 class _CompletionFormat(_Format):
     chunk_object = "text_completion"
+    whole_object = "text_completion"
+    echo = ""  # the prompt's text, where the request asked for it back (echo)
 
-    def _logprobs(self, token_ids: list[int], lps: list[TokenLogprob], text: str) -> dict | None:
+    def first_event(self) -> bytes:
+        if not self.echo:
+            return b""
+        return b"".join(b"data: " + _encode(self._head(self.chunk_object) | {"choices": [{
+            "index": i, "text": self.echo, "logprobs": None, "finish_reason": None}]}) + b"\n\n"
+            for i in range(self.n))
+
+    def _logprobs(self, token_ids: list[int], lps: list[TokenLogprob], index: int) -> dict | None:
         if self.top is None:
             return None
         tokens = [self._token(t) for t in token_ids]
         offsets = []
         for t in tokens:
-            offsets.append(self._offset)
-            self._offset += len(t)
+            offsets.append(self._offset.get(index, 0))
+            self._offset[index] = offsets[-1] + len(t)
         return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
                 "top_logprobs": [{self._token(i): v for i, v in zip(lp.top_ids[:self.top], lp.top_logprobs,
                                                                       strict=False)} for lp in lps],
                 "text_offset": offsets}
 
-    def chunk(self, step: Step) -> dict:
+    def chunk(self, step: Step, index: int = 0) -> dict:
         return self._head("text_completion") | {"choices": [{
-            "index": 0, "text": step.text, "logprobs": self._logprobs(step.token_ids, step.logprobs, step.text),
+            "index": index, "text": step.text, "logprobs": self._logprobs(step.token_ids, step.logprobs, index),
             "finish_reason": step.finish_reason or None}]}
 
-    def whole(self, steps: list[Step]) -> dict:
-        last = steps[-1]
+    def choice(self, steps: list[Step], index: int) -> dict:
         ids = [t for s in steps for t in s.token_ids]
         lps = [lp for s in steps for lp in s.logprobs]
-        return self._head("text_completion") | {
-            "choices": [{"index": 0, "text": "".join(s.text for s in steps),
-                         "logprobs": self._logprobs(ids, lps, ""), "finish_reason": last.finish_reason}],
-            "usage": _usage(last.usage or Usage(0)),
-        }
+        return {"index": index, "text": self.echo + "".join(s.text for s in steps),
+                "logprobs": self._logprobs(ids, lps, index),
+                "finish_reason": steps[-1].finish_reason}
 
 
 class _ChatFormat(_Format):
     chunk_object = "chat.completion.chunk"
+    whole_object = "chat.completion"
 
     def _logprobs(self, token_ids: list[int], lps: list[TokenLogprob]) -> dict | None:
         if self.top is None:
@@ -119,24 +135,20 @@ class _ChatFormat(_Format):
             for t, lp in zip(token_ids, lps, strict=False)]}
 
     def first_event(self) -> bytes:
-        head = self._head(self.chunk_object) | {"choices": [{
-            "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
-        return b"data: " + _encode(head) + b"\n\n"
+        return b"".join(b"data: " + _encode(self._head(self.chunk_object) | {"choices": [{
+            "index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
+            + b"\n\n" for i in range(self.n))
 
-    def chunk(self, step: Step) -> dict:
+    def chunk(self, step: Step, index: int = 0) -> dict:
         return self._head(self.chunk_object) | {"choices": [{
-            "index": 0, "delta": {"content": step.text} if step.text else {},
+            "index": index, "delta": {"content": step.text} if step.text else {},
             "logprobs": self._logprobs(step.token_ids, step.logprobs), "finish_reason": step.finish_reason or None}]}
 
-    def whole(self, steps: list[Step]) -> dict:
-        last = steps[-1]
+    def choice(self, steps: list[Step], index: int) -> dict:
         ids = [t for s in steps for t in s.token_ids]
         lps = [lp for s in steps for lp in s.logprobs]
-        return self._head("chat.completion") | {
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(s.text for s in steps)},
-                         "logprobs": self._logprobs(ids, lps), "finish_reason": last.finish_reason}],
-            "usage": _usage(last.usage or Usage(0)),
-        }
+        return {"index": index, "message": {"role": "assistant", "content": "".join(s.text for s in steps)},
+                "logprobs": self._logprobs(ids, lps), "finish_reason": steps[-1].finish_reason}
 
 
 # -- transport helpers ------------------------------------------------------------------------

@@ -90,6 +90,7 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: Annotated[int, Field(ge=0)] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    echo: bool = False  # vLLM's: prepend the last message to the reply (refused)
     tools: list[dict[str, Any]] | None = None
 
 

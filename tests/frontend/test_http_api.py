@@ -206,6 +206,23 @@ def test_sampling_fields_reach_the_runner(api: Frontend, fakes: list[FakeRunner]
                                    max_completion_tokens=4, extra_body={"top_k": 5})
     p = _last_req(r).params
     assert (p.temperature, p.top_k, p.max_new_tokens, p.seed, p.ignore_eos) == (1.0, 5, 4, None, False)
+    assert (p.grammar, p.logit_bias) == ("", {})
+    client.completions.create(model=NAME, prompt="hi", max_tokens=2, logit_bias={"104": -100, "7": 2.5},
+                              extra_body={"structured_outputs": {"regex": "[a-z]+"}})
+    p = _last_req(r).params
+    assert p.logit_bias == {104: -100.0, 7: 2.5} and "[a-z]+" in p.grammar
+
+
+def test_echo_and_n(api: Frontend, fakes: list[FakeRunner]) -> None:
+    _live(api, fakes)
+    client = _sdk(api)
+    got = client.completions.create(model=NAME, prompt="hi", max_tokens=2, echo=True)
+    assert got.choices[0].text == "hiHe"
+    streamed = client.completions.create(model=NAME, prompt=[104, 105], max_tokens=2, echo=True, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == "hiHe"
+    many = client.completions.create(model=NAME, prompt="hi", max_tokens=2, n=3)
+    assert [c.index for c in many.choices] == [0, 1, 2] and {c.text for c in many.choices} == {"He"}
+    assert many.usage.completion_tokens == 6 and many.usage.prompt_tokens == 2
 
 
 # ---- errors ---------------------------------------------------------------------------------
@@ -219,8 +236,17 @@ def test_sampling_fields_reach_the_runner(api: Frontend, fakes: list[FakeRunner]
     ("/v1/completions", {"prompt": [104, 999]}, "prompt[1]", "out of vocabulary"),
     ("/v1/completions", {"prompt": ""}, "prompt", "empty prompt"),
     ("/v1/completions", {"prompt": ["a", "b"]}, "prompt", "2 prompts in one request"),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, "n", "only n=1"),
-    ("/v1/completions", {"prompt": "hi", "echo": True}, "echo", "not supported"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, "n", "must be in 1..128"),
+    ("/v1/completions", {"prompt": "hi", "n": 129}, "n", "must be in 1..128"),
+    ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1}, "echo", "not supported"),
+    ("/v1/completions", {"prompt": "hi", "include_stop_str_in_output": True}, "include_stop_str_in_output",
+     "not supported"),
+    ("/v1/completions", {"prompt": "hi", "min_tokens": 3}, "min_tokens", "not supported"),
+    ("/v1/completions", {"prompt": "hi", "skip_special_tokens": False}, "skip_special_tokens", "not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo",
+     "not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"},
+     "tool_choice", "not supported"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs", "0..20"),
     ("/v1/completions", {"prompt": "hi", "seed": 2**64}, "seed", "less than or equal"),
     ("/v1/completions", {}, "prompt", "Field required"),

@@ -1,10 +1,10 @@
-"""Structured outputs and logit_bias through a real `kvserve serve` (memsvc, a runner, the
-frontend) on the tiny random model (byte tokenizer) on the default path (its 4-bit codes,
-batch-invariant): every output of a constrained request, greedy or sampled, over HTTP and gRPC,
+"""The agents' OpenAI fields (structured outputs, logit_bias, n) through a real `kvserve serve`
+(memsvc, a runner, the frontend) on the tiny random model (byte tokenizer) on the default path
+(its 4-bit codes, batch-invariant): every output of a constrained request, greedy or sampled, over HTTP and gRPC,
 parses and validates against its schema (or matches its regex, choice or grammar) and ends by
 itself; a constraint that does not compile is a 400 naming the field the client used; an
 unconstrained request beside constrained ones keeps its tokens; logit_bias moves tokens as
-OpenAI's does."""
+OpenAI's does; n choices share one prefill through the prefix cache, streamed or not."""
 
 from __future__ import annotations
 
@@ -177,3 +177,49 @@ def test_logit_bias(svc: Service) -> None:
     sampled = pb.SamplingParams(temperature=1.0, seed=1, max_new_tokens=12, ignore_eos=True,
                                 logit_bias={plain[0]: -100})
     assert plain[0] not in _ids(svc, sampled)
+
+
+def _cached_total(svc: Service) -> float:
+    return svc.metric(0, "kvserve_cached_prompt_tokens_total")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_choices_share_the_prompt(svc: Service, stream: bool) -> None:
+    prompt = f"Four choices share this prompt, prefilled once ({stream}). " * 3
+    n, max_tokens = 4, 10
+    body = {"prompt": prompt, "n": n, "max_tokens": max_tokens, "temperature": 1.0, "seed": 7, "ignore_eos": True,
+            "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}
+    before = _cached_total(svc)
+    if stream:
+        texts, reasons, usage = [""] * n, [None] * n, None
+        with httpx.stream("POST", svc.url + "/v1/completions", json=body, timeout=120) as resp:
+            for line in resp.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                usage = chunk.get("usage") or usage
+                for c in chunk["choices"]:
+                    texts[c["index"]] += c["text"]
+                    reasons[c["index"]] = c["finish_reason"] or reasons[c["index"]]
+    else:
+        got = _post(svc, "/v1/completions", body).json()
+        texts = [c["text"] for c in sorted(got["choices"], key=lambda c: c["index"])]
+        reasons = [c["finish_reason"] for c in got["choices"]]
+        usage = got["usage"]
+        assert [c["index"] for c in got["choices"]] == list(range(n))
+    prompt_tokens = len(httpx.post(svc.url + "/tokenize", json={"prompt": prompt}).json()["tokens"])
+    assert reasons == ["length"] * n
+    assert usage["prompt_tokens"] == prompt_tokens and usage["completion_tokens"] == n * max_tokens
+    assert len(set(texts)) == n  # seeded choices differ from one another
+    # choice 0 alone with the same seed is what an n = 1 request draws
+    single = _text(_post(svc, "/v1/completions", {**body, "n": 1, "stream": False}))[0]
+    assert single == texts[0]
+    # the other three found the prompt's whole blocks in the prefix cache (blocks of 16)
+    assert _cached_total(svc) - before >= (n - 1) * (prompt_tokens // 16 * 16 - 16)
+
+
+def test_n_chat_greedy_choices_are_equal(svc: Service) -> None:
+    got = _post(svc, "/v1/chat/completions", {"messages": MESSAGES, "n": 3, "temperature": 0, "max_tokens": 8,
+                                              "ignore_eos": True}).json()
+    contents = [c["message"]["content"] for c in got["choices"]]
+    assert len(contents) == 3 and len(set(contents)) == 1 and got["usage"]["completion_tokens"] == 24
