@@ -11,7 +11,7 @@ parallel executor, xgrammar's BatchGrammarMatcher), per row per step. Also the i
 whether the library pulls in torch or transformers (the frontend, which must compile a schema to
 refuse it with a 400, imports neither).
 
-    python bench/grammar_libs.py [--model PATH] [--json OUT]
+    python bench/grammar_libs.py [--model PATH] [--json OUT] [--general-slices]
 
 Prints the CPU flags beside the figures.
 """
@@ -48,12 +48,20 @@ ORDER = {
         "notes": {"anyOf": [{"type": "string"}, {"type": "null"}]},
     },
 }
+BOUNDED = {  # bench/structured_cost.py's: strings of bounded length
+    "type": "object", "additionalProperties": False, "required": ["name", "age", "city", "hobbies"],
+    "properties": {"name": {"type": "string", "maxLength": 32}, "age": {"type": "integer", "minimum": 0},
+                   "city": {"type": "string", "maxLength": 32},
+                   "hobbies": {"type": "array", "maxItems": 3, "items": {"type": "string", "maxLength": 24}}},
+}
 CASES = [
     ("schema:person", "json", json.dumps(PERSON), '{"name": "Ada Lovelace", "age": 36}'),
     ("schema:order", "json", json.dumps(ORDER),
      '{"id": "ABC-1234", "customer": {"name": "Grace Hopper", "email": "grace@navy.mil", "tier": "pro"}, '
      '"items": [{"sku": "kv-01", "qty": 2, "price": 19.5}, {"sku": "kv-02", "qty": 1, "price": 3}], '
      '"status": "paid", "notes": null}'),
+    ("schema:bounded", "json", json.dumps(BOUNDED),
+     '{"name": "Alice Johnson", "age": 34, "city": "Portland", "hobbies": ["hiking", "painting", "chess"]}'),
     ("json_object", "json", json.dumps({"type": "object"}),
      '{"answer": [1, 2, {"deep": true}], "text": "hello world"}'),
     ("regex", "regex", r"\d{3}-\d{3}-\d{4}", "555-867-5309"),
@@ -82,13 +90,17 @@ def import_cost(module: str) -> dict:
 class LLG:
     name = "llguidance"
 
-    def __init__(self, tok_json: Path, vocab: int, eos: list[int]) -> None:
+    def __init__(self, tok_json: Path, vocab: int, eos: list[int], general: bool = False) -> None:
         import llguidance
         import llguidance.torch
         self.llg = llguidance
         self.lt = llguidance.torch
+        from kvserve.model.grammars import llg_tokenizer
+
         t = time.perf_counter()
-        self.tok = llguidance.LLTokenizer(str(tok_json), n_vocab=vocab, eos_token=eos)
+        self.tok = llg_tokenizer(tok_json.read_text(), vocab, eos)
+        if general:  # llguidance's default token slices instead of the JSON ones kvserve uses
+            self.tok = self.tok.with_slices(llguidance.LLTokenizer.general_slices())
         self.setup_s = time.perf_counter() - t
         self.executor = llguidance.LLExecutor()
         self.vocab = vocab
@@ -121,7 +133,7 @@ class LLG:
 class XGR:
     name = "xgrammar"
 
-    def __init__(self, tok_json: Path, vocab: int, eos: list[int]) -> None:
+    def __init__(self, tok_json: Path, vocab: int, eos: list[int], general: bool = False) -> None:
         import xgrammar
         from transformers import PreTrainedTokenizerFast
         self.xgr = xgrammar
@@ -135,7 +147,7 @@ class XGR:
     def compile(self, kind: str, text: str):
         c = self.xgr.GrammarCompiler(self.info, cache_enabled=False)
         if kind == "json":
-            return c.compile_json_schema(text)
+            return c.compile_json_schema(text, any_whitespace=False, separators=(", ", ": "))  # kvserve's layout
         if kind == "regex":
             return c.compile_regex(text)
         if kind == "choice":
@@ -186,6 +198,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=5, help="compiles (and walks) per grammar")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--general-slices", action="store_true",
+                    help="llguidance with its default token slices (kvserve uses the JSON ones)")
     args = ap.parse_args()
 
     from kvserve.model import tokenizer_cache
@@ -199,7 +213,7 @@ def main() -> None:
     print(f"# tokenizer {tok.name}: vocab {tok.vocab_size}; rows in the batch case {args.rows}")
     result: dict = {"cpu": cpu_flags(), "tokenizer": tok.name, "vocab": tok.vocab_size, "libs": {}}
     for cls, module in ((LLG, "llguidance"), (XGR, "xgrammar")):
-        lib = cls(tok_json, tok.vocab_size, tok.eos_token_ids)
+        lib = cls(tok_json, tok.vocab_size, tok.eos_token_ids, args.general_slices)
         entry = {**import_cost(module), "tokenizer_setup_s": round(lib.setup_s, 3), "cases": {}}
         print(f"\n## {lib.name}: import {entry['import_s']} s (torch {entry['imports_torch']}, transformers "
               f"{entry['imports_transformers']}), tokenizer setup {lib.setup_s:.3f} s")

@@ -4,8 +4,10 @@ token masks.
 A request whose `SamplingParams.grammar` is set (llguidance grammar text, compiled and checked
 by the frontend: `kvserve.model.grammars`) gets a `llguidance.LLMatcher` at `Constrainer.matcher`.
 Each step, `Constrainer.fill` computes the allowed-token bitmask of every constrained row that
-samples, in one call over llguidance's thread pool, started before the forward and read after
-it (`Fill.result`): the masks are computed while the model runs. The sampler applies a mask to
+samples, row after row on one thread of its own, started before the forward and read after it
+(`Fill.result`): the masks are computed while the model runs. (llguidance's parallel executor
+and a fill inline before the forward were measured slower here: on 2 cores they fight the
+forward's OpenMP threads; bench/structured_cost.py.) The sampler applies a mask to
 its row only (`Sampler.sample(..., masks=)`), so unconstrained rows in the same step pay
 nothing and keep their numbers. After sampling, `accept` feeds the token to the matcher: the
 request ends ("stop") when the grammar is complete, and fails when the matcher refuses the token
@@ -17,6 +19,7 @@ llguidance and torch; nothing about memsvc, sockets or the scheduler's tables.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -34,11 +37,12 @@ class Fill:
         self.rows = rows  # indices into the step's sampling rows
         self._future = future
         self._bitmask = bitmask
+        self.seconds = 0.0  # how long the masks took on their thread (once `result` returned)
 
     def result(self) -> tuple[list[int], torch.Tensor]:
         """(rows, int32 bitmask [len(rows), ceil(V / 32)]) once the masks are done."""
         if self._future is not None:
-            self._future.result()
+            self.seconds = self._future.result()
         return self.rows, self._bitmask
 
 
@@ -52,14 +56,12 @@ class Constrainer:
         self.n_vocab = n_vocab
         self.eos = list(eos_token_ids)
         self._tok: llguidance.LLTokenizer | None = None
-        self._executor: llguidance.LLExecutor | None = None
         self._thread: ThreadPoolExecutor | None = None
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
         if self._tok is None:
             self._tok = llg_tokenizer(self._json, self.n_vocab, self.eos)
-            self._executor = llguidance.LLExecutor()
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="runner-grammar")
         return self._tok
 
@@ -77,11 +79,16 @@ class Constrainer:
         if not rows:
             return Fill(rows, None, bitmask)
         _ = self.tokenizer
-        assert self._thread is not None and self._executor is not None
+        assert self._thread is not None
         pairs = [(m, i) for i, m in enumerate(matchers)]
-        future = self._thread.submit(llguidance.torch.fill_next_token_bitmask_par, self._executor, pairs,
-                                     bitmask)
-        return Fill(rows, future, bitmask)
+
+        def masks() -> float:
+            start = time.perf_counter()
+            for m, i in pairs:
+                llguidance.torch.fill_next_token_bitmask(m, bitmask, i)
+            return time.perf_counter() - start
+
+        return Fill(rows, self._thread.submit(masks), bitmask)
 
     @staticmethod
     def accept(matcher: Any, token_id: int) -> tuple[bool, str]:

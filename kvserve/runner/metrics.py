@@ -14,7 +14,8 @@ STEP_BUCKETS: tuple[float, ...] = (
     0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 )
 
-RUNNER_PHASES: tuple[str, ...] = ("prefill", "decode", "mixed", "memsvc", "sample")
+RUNNER_PHASES: tuple[str, ...] = ("prefill", "decode", "mixed", "memsvc", "sample", "mask")
+"""`mask`: a step's grammar masks, on their own thread while the forward runs (structured outputs)."""
 
 
 
@@ -30,13 +31,15 @@ class RunnerMetrics:
     bad_messages: Counter = field(init=False)
     undelivered: Counter = field(init=False)
     nonfinite_logits: Counter = field(init=False)
+    masked_rows: Counter = field(init=False)
     info: Info = field(init=False)
 
     def __post_init__(self) -> None:
         r = self.registry
         self.step_seconds = Histogram(
             "kvserve_runner_step_seconds",
-            "Time spent in one scheduler step phase (prefill, decode, mixed, memsvc, sample).",
+            "Time spent in one scheduler step phase (prefill, decode, mixed, memsvc, sample; mask: the "
+            "grammar masks of the step's constrained rows, computed while the forward runs).",
             ["phase"], buckets=STEP_BUCKETS, registry=r,
         )
         self.batch_size = Gauge(
@@ -65,6 +68,11 @@ class RunnerMetrics:
         self.nonfinite_logits = Counter(
             "kvserve_runner_nonfinite_logits",
             "Requests failed (INTERNAL) because the model's logits for them held NaN or inf.",
+            registry=r,
+        )
+        self.masked_rows = Counter(
+            "kvserve_runner_masked_rows",
+            "Rows whose grammar mask was computed (one per constrained request per sampled token).",
             registry=r,
         )
         self.info = Info("kvserve_runner", "Runner build and configuration.", registry=r)

@@ -276,6 +276,9 @@ class Scheduler:
             for r in batch.sampling:
                 r.sample_row.index = len(r.tokens) - r.prompt_len  # the output token it draws
             masks = fill.result() if fill is not None else None
+            if fill is not None and self.metrics is not None:
+                self.metrics.step_seconds.labels(phase="mask").observe(fill.seconds)
+                self.metrics.masked_rows.inc(len(fill.rows))
             sampled = self.sampler.sample(logits, [r.sample_row for r in batch.sampling], masks=masks)
             for req, tok, lp, bad in zip(batch.sampling, sampled.token_ids, sampled.logprobs,
                                          sampled.nonfinite, strict=True):
