@@ -51,6 +51,7 @@ from kvserve.frontend.http_stream import (
     _EventStream,
     _Format,
     _unless_disconnected,
+    _usage,
 )
 from kvserve.frontend.http_structured import LEGACY_NAMES, constraint
 from kvserve.frontend.openai_models import (
@@ -278,7 +279,11 @@ class OpenAIFace:
             raise _rejected(exc, chat) from None
         choices = Choices(self.path, first, prep, req.request_id, body.n, arrival)
         fmt.n = body.n
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        opts = body.stream_options
+        if opts is not None and opts.model_extra:
+            raise _unsupported(f"stream_options.{next(iter(opts.model_extra))}", "this stream option")
+        include_usage = bool(opts and opts.include_usage)
+        fmt.running_usage = bool(opts and opts.continuous_usage_stats)
         if body.stream:
             return _EventStream(self._events(choices, fmt, include_usage, chat), choices.close)
         return await _unless_disconnected(request, self._whole(choices, fmt, chat))
@@ -289,7 +294,10 @@ class OpenAIFace:
             yield fmt.first_event()
             async for index, step in choices.steps():
                 if step.text or step.finish_reason or fmt.top is not None:
-                    yield b"data: " + _encode(fmt.chunk(step, index)) + b"\n\n"
+                    chunk = fmt.chunk(step, index)
+                    if fmt.running_usage:
+                        chunk["usage"] = _usage(choices.usage())
+                    yield b"data: " + _encode(chunk) + b"\n\n"
             if include_usage:
                 yield b"data: " + _encode(fmt.usage_chunk(choices.usage())) + b"\n\n"
         except Rejected as exc:

@@ -49,6 +49,7 @@ class _Format:
         self.created = int(time.time())
         self.top = top  # None: no logprobs; else the number of alternatives per token
         self.n = 1  # choices
+        self.running_usage = False  # stream_options.continuous_usage_stats: the usage so far in every chunk
         self._offset: dict[int, int] = {}  # the text offset of each choice's next token
 
     def _head(self, object_name: str) -> dict:

@@ -223,6 +223,12 @@ def test_echo_and_n(api: Frontend, fakes: list[FakeRunner]) -> None:
     many = client.completions.create(model=NAME, prompt="hi", max_tokens=2, n=3)
     assert [c.index for c in many.choices] == [0, 1, 2] and {c.text for c in many.choices} == {"He"}
     assert many.usage.completion_tokens == 6 and many.usage.prompt_tokens == 2
+    running = list(client.completions.create(model=NAME, prompt="hi", max_tokens=2, stream=True,
+                                             stream_options={"continuous_usage_stats": True}))
+    assert [c.usage.completion_tokens for c in running if c.choices] == [1, 2]
+    resp = httpx.post(api.url + "/v1/completions", json={"prompt": "hi", "stream": True,
+                                                         "stream_options": {"made_up": True}})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "stream_options.made_up"
 
 
 # ---- errors ---------------------------------------------------------------------------------
