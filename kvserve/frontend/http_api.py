@@ -262,6 +262,9 @@ class OpenAIFace:
     async def _generate(self, request: Request, req: pb.GenerateRequest, body: _Sampling, fmt: _Format,
                         chat: bool) -> Response:
         req.request_id = request.headers.get("x-request-id", "") or fmt.id
+        opts = body.stream_options  # checked before anything is admitted
+        if opts is not None and opts.model_extra:
+            raise _unsupported(f"stream_options.{next(iter(opts.model_extra))}", "this stream option")
         asked = constraint(body)
         if asked is not None:
             req.sampling.constraint.CopyFrom(asked[1])
@@ -279,9 +282,6 @@ class OpenAIFace:
             raise _rejected(exc, chat) from None
         choices = Choices(self.path, first, prep, req.request_id, body.n, arrival)
         fmt.n = body.n
-        opts = body.stream_options
-        if opts is not None and opts.model_extra:
-            raise _unsupported(f"stream_options.{next(iter(opts.model_extra))}", "this stream option")
         include_usage = bool(opts and opts.include_usage)
         fmt.running_usage = bool(opts and opts.continuous_usage_stats)
         if body.stream:

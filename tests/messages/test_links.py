@@ -160,12 +160,12 @@ def test_errors_name_the_field_path(codec: Codec, body: dict, needle: str) -> No
 
 
 def test_hello_and_attach_carry_the_protocol_version() -> None:
-    # frontend<->runner version 3: TokenOut.error_code
-    assert fr.Hello("r", 1, 1).protocol == fr.PROTOCOL_VERSION == 3
+    # frontend<->runner version 4: SamplingParams.grammar and logit_bias (3: TokenOut.error_code)
+    assert fr.Hello("r", 1, 1).protocol == fr.PROTOCOL_VERSION == 4
     # runner<->memsvc version 3 (2: lease fencing, 3: the "loading" admission of the KV tiers) is
     # sent by MemClient; a frame without it is version 1
     assert rm.PROTOCOL_VERSION == 3 and rm.Attach("r", 1, "h", 1, 1, 1, "float32").protocol == 1
-    assert msgpack.unpackb(fr.UP.encode(fr.Hello("r", 1, 1)))["protocol"] == 3
+    assert msgpack.unpackb(fr.UP.encode(fr.Hello("r", 1, 1)))["protocol"] == 4
 
 
 _values = st.recursive(

@@ -64,10 +64,10 @@ class Recorder:
         self.ids, self.logits = ids, {}
         inner = sched.sampler.sample
 
-        def sample(logits: torch.Tensor, rows: Any) -> Any:
+        def sample(logits: torch.Tensor, rows: Any, masks: Any = None) -> Any:
             for i, row in enumerate(rows):
                 self.logits.setdefault(self.ids[id(row.params)], []).append(logits[i].clone())
-            return inner(logits, rows)
+            return inner(logits, rows, masks=masks)
 
         sched.sampler.sample = sample  # type: ignore[method-assign]
 

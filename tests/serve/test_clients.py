@@ -78,16 +78,6 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
         assert stop_serve(svc) == 0
 
 
-@pytest.fixture(scope="module")
-def client(service: Service) -> openai.OpenAI:
-    return openai.OpenAI(base_url=service.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
-
-
 def _parse(client: openai.OpenAI, model: str, sampling: dict) -> ParsedChatCompletion[City]:
     return client.chat.completions.parse(model=model, messages=MESSAGES, response_format=City,
                                          max_tokens=MAX_TOKENS, **sampling)
@@ -181,7 +171,6 @@ def _rendered(service: Service, route: str, body: dict) -> list[int]:
 
 
 @pytest.mark.parametrize(("route", "profile", "strategy"), [
-    ("/v1/chat/completions", "kind=synchronous", "synchronous"),
     ("/v1/completions", "kind=constant,rate=4", "constant"),
 ])
 def test_guidellm_benchmark(service: Service, model: str, tmp_path: Path, route: str, profile: str,

@@ -34,16 +34,6 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     assert stop_serve(svc) == 0
 
 
-@pytest.fixture(scope="module")
-def client(service: Service) -> openai.OpenAI:
-    return openai.OpenAI(base_url=service.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
-
-
 def test_chat_and_completion_streamed_and_whole(client: openai.OpenAI, model: str) -> None:
     whole = client.chat.completions.create(model=model, messages=FRANCE, max_tokens=16, temperature=0)
     assert "Paris" in whole.choices[0].message.content
