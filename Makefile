@@ -27,7 +27,7 @@ serve: $(STAMP)
 # they start, so two workers pay on two cores; TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
 
 protos: $(STAMP)
 	$(VPY) -m kvserve.v1.generate_stubs
