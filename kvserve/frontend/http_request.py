@@ -28,7 +28,7 @@ def _sampling(body: _Sampling, max_tokens: int | None, logprobs: int) -> pb.Samp
     if max_tokens is not None:
         s.max_new_tokens = max_tokens
     for key, bias in (body.logit_bias or {}).items():
-        if not key.isdigit() or int(key) >= 2**32:
+        if not (key.isascii() and key.isdigit()) or int(key) >= 2**32:
             raise HTTPError(400, f"logit_bias: key {key!r} is not a token id", "logit_bias", "invalid_value")
         s.logit_bias[int(key)] = bias
     return s

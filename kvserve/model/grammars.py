@@ -48,10 +48,10 @@ def grammar_text(kind: str, value: Any) -> str:
     if kind == "json_schema":
         try:
             schema = json.loads(value)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise GrammarError(f"the schema is not valid JSON: {exc}") from None
-        if not isinstance(schema, (dict, bool)):
-            raise GrammarError(f"a schema is a JSON object (or true / false), got {type(schema).__name__}")
+        if not isinstance(schema, dict):
+            raise GrammarError(f"a schema is a JSON object, got {type(schema).__name__}")
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_STYLE)
     if kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_STYLE)
@@ -113,6 +113,8 @@ class GrammarCache:
                 verdict = GrammarError(error) if error else text
             except GrammarError as exc:
                 verdict = exc
+            except (ValueError, RecursionError) as exc:  # what llguidance raises for some inputs
+                verdict = GrammarError(str(exc) or type(exc).__name__)
             with self._lock:
                 self.compiled += 1
                 self._seen[key] = verdict

@@ -134,6 +134,9 @@ def test_grpc_constraint(svc: Service) -> None:
     ({"json_schema": "{not json"}, "json_schema", "not valid JSON"),
     ({"regex": "a", "response_format": {"type": "json_object"}}, "regex", "give one"),
     ({"logit_bias": {"abc": 1}}, "logit_bias", "not a token id"),
+    ({"logit_bias": {"\u00b2": 1}}, "logit_bias", "not a token id"),
+    ({"structured_outputs": {"json": True}}, "structured_outputs", "a JSON object"),
+    ({"json_schema": "[" * 3000 + "]" * 3000}, "json_schema", "cannot be compiled"),
     ({"logit_bias": {"5": 101}}, "logit_bias[5]", "[-100, 100]"),
     ({"logit_bias": {"99999": 1}}, "logit_bias[99999]", "out of vocabulary"),
 ])
