@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 from e2e_throughput import cpu_flags
@@ -35,6 +33,7 @@ from grammar_libs import BOUNDED as SCHEMA
 from kvserve.tools.servectl import start_serve, stop_serve
 from kvserve.v1 import generator_pb2 as pb
 
+MASK_SECONDS = 'kvserve_runner_step_seconds_sum{phase="mask"}'
 PROMPT = "Describe a fictional person as JSON with their name, age, city and hobbies."
 
 
@@ -106,11 +105,11 @@ def main(argv: list[str] | None = None) -> int:
         for k in range(2 * args.rounds):
             constrained = k % 2 == 1
             if constrained:
-                mask0, rows0 = _mask_sum(svc), svc.metric(2, "kvserve_runner_masked_rows_total")
+                mask0, rows0 = svc.metric(2, MASK_SECONDS), svc.metric(2, "kvserve_runner_masked_rows_total")
             r = _round(svc.stub, args.streams, args.round_s, constrained, 256 if constrained else max_new,
                        (k + 1) * 10**6)
             if constrained:
-                mask_s += _mask_sum(svc) - mask0
+                mask_s += svc.metric(2, MASK_SECONDS) - mask0
                 rows += svc.metric(2, "kvserve_runner_masked_rows_total") - rows0
             rounds.append(r)
             print(f"round {k}: {'json_schema' if constrained else 'free':11} {r['tok_s']:7.1f} tok/s, "
@@ -129,13 +128,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop_serve(svc)
     return 0
-
-
-def _mask_sum(svc) -> float:
-    """kvserve_runner_step_seconds_sum for phase mask, read from runner 0's metrics."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{svc.metrics_base + 2}/metrics", timeout=5).read().decode()
-    found = re.search(r'^kvserve_runner_step_seconds_sum\{phase="mask"\} (\S+)$', text, re.M)
-    return float(found.group(1)) if found else 0.0
 
 
 if __name__ == "__main__":

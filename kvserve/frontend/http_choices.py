@@ -49,6 +49,7 @@ class Choices:
         self.request_id = request_id or first.request_id
         self.n = n
         self.arrival = arrival
+        self._tasks: list[asyncio.Task] = []  # the pumps and the task admitting choices 1..n-1
 
     def usage(self) -> Usage:
         """The prompt once (and what choice 0 found cached), the completions of every choice."""
@@ -67,9 +68,8 @@ class Choices:
             return
         queue: asyncio.Queue[tuple[int, Step | Rejected | None]] = asyncio.Queue()
         started = asyncio.Event()
-        tasks = [asyncio.create_task(self._pump(0, self.calls[0], queue, started)),
-                 asyncio.create_task(self._start_rest(queue, started))]
-        self._tasks = tasks
+        self._tasks += [asyncio.create_task(self._pump(0, self.calls[0], queue, started)),
+                        asyncio.create_task(self._start_rest(queue, started))]
         live = self.n
         try:
             while live:
@@ -81,7 +81,7 @@ class Choices:
                     continue
                 yield index, item
         finally:
-            for task in tasks:
+            for task in self._tasks:
                 task.cancel()
             self.close()
 

@@ -20,6 +20,7 @@ llguidance and torch; nothing about memsvc, sockets or the scheduler's tables.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -33,7 +34,7 @@ from kvserve.model.grammars import LIMITS, llg_tokenizer
 class Fill:
     """The masks of one step's constrained rows, being computed."""
 
-    def __init__(self, rows: list[int], future: Future | None, bitmask: torch.Tensor) -> None:
+    def __init__(self, rows: list[int], future: Future, bitmask: torch.Tensor) -> None:
         self.rows = rows  # indices into the step's sampling rows
         self._future = future
         self._bitmask = bitmask
@@ -41,28 +42,26 @@ class Fill:
 
     def result(self) -> tuple[list[int], torch.Tensor]:
         """(rows, int32 bitmask [len(rows), ceil(V / 32)]) once the masks are done."""
-        if self._future is not None:
-            self.seconds = self._future.result()
+        self.seconds = self._future.result()
         return self.rows, self._bitmask
 
 
 class Constrainer:
-    """Matchers and masks for one runner's model: `tokenizer_json` is the model tokenizer's
-    to_str(), `n_vocab` the width of its logits. The llguidance tokenizer (about 0.2 s) is
-    built at the first constrained request."""
+    """Matchers and masks for one runner's model: `tokenizer_json` gives the model tokenizer's
+    to_str(), `n_vocab` is the width of its logits. Both that JSON and the llguidance tokenizer
+    (about 0.2 s) are made at the first constrained request, not at start."""
 
-    def __init__(self, tokenizer_json: str, n_vocab: int, eos_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer_json: Callable[[], str], n_vocab: int, eos_token_ids: list[int]) -> None:
         self._json = tokenizer_json
         self.n_vocab = n_vocab
         self.eos = list(eos_token_ids)
         self._tok: llguidance.LLTokenizer | None = None
-        self._thread: ThreadPoolExecutor | None = None
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="runner-grammar")  # started at its first fill
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
         if self._tok is None:
-            self._tok = llg_tokenizer(self._json, self.n_vocab, self.eos)
-            self._thread = ThreadPoolExecutor(1, thread_name_prefix="runner-grammar")
+            self._tok = llg_tokenizer(self._json(), self.n_vocab, self.eos)
         return self._tok
 
     def matcher(self, grammar: str) -> llguidance.LLMatcher:
@@ -74,12 +73,8 @@ class Constrainer:
         return m
 
     def fill(self, rows: list[int], matchers: list[Any]) -> Fill:
-        """Start computing the masks of `matchers` (those of sampling rows `rows`)."""
+        """Start computing the masks of `matchers` (those of sampling rows `rows`, one or more)."""
         bitmask = llguidance.torch.allocate_token_bitmask(len(rows), self.n_vocab)
-        if not rows:
-            return Fill(rows, None, bitmask)
-        _ = self.tokenizer
-        assert self._thread is not None
         pairs = [(m, i) for i, m in enumerate(matchers)]
 
         def masks() -> float:
@@ -96,8 +91,3 @@ class Constrainer:
         if not matcher.consume_token(token_id):
             return False, matcher.get_error() or f"token {token_id} is not allowed by the grammar"
         return matcher.is_stopped(), ""
-
-    def close(self) -> None:
-        if self._thread is not None:
-            self._thread.shutdown(wait=False)
-

@@ -144,7 +144,7 @@ class Worker(FrontendLink):
             model=self.loaded.model, mem=self.mem, layout=self.mem.layout, backend=backend,
             eos_token_ids=self.loaded.eos_token_ids, metrics=self.metrics, workspace=workspace,
             fault_layer_delay_s=self._layer_delay_s, constrainer=Constrainer(
-                self.loaded.tokenizer.backend_tokenizer.to_str(), int(mc.vocab_size), self.loaded.eos_token_ids),
+                self.loaded.tokenizer.backend_tokenizer.to_str, int(mc.vocab_size), self.loaded.eos_token_ids),
             config=SchedulerConfig(max_running=cfg.max_running, max_batch_tokens=cfg.max_batch_tokens,
                                    chunk_size=cfg.chunk_size, seed=cfg.seed,
                                    batch_invariant=cfg.batch_invariant == "on"),
