@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -164,6 +165,17 @@ def _counters(service: Service) -> dict[str, float]:
             "errors": service.metric(0, "kvserve_request_errors_total")}
 
 
+def _private_shm() -> list[str]:
+    """A prefix that runs a command with a /dev/shm of its own, where the machine allows it.
+    guidellm's worker processes (multiprocessing, spawn) hold named semaphores in /dev/shm while
+    they run; in the shared one they would show up in the leak checks of the serve tests running
+    beside this one on the other xdist worker (tests/faults/test_crash.py saw them)."""
+    probe = ["unshare", "--mount", "sh", "-c", "mount -t tmpfs tmpfs /dev/shm"]
+    if shutil.which("unshare") and subprocess.run(probe, capture_output=True).returncode == 0:
+        return ["unshare", "--mount", "sh", "-c", 'mount -t tmpfs tmpfs /dev/shm && exec "$@"', "guidellm"]
+    return []
+
+
 def _rendered(service: Service, route: str, body: dict) -> list[int]:
     resp = httpx.post(service.url + route + "/render", json=body, timeout=60)
     assert resp.status_code == 200, resp.text
@@ -179,7 +191,7 @@ def test_guidellm_benchmark(service: Service, model: str, tmp_path: Path, route:
     report = tmp_path / "benchmarks.json"
     before = _counters(service)
     proc = subprocess.run(
-        [sys.executable, "-m", "guidellm", "run",
+        [*_private_shm(), sys.executable, "-m", "guidellm", "run",
          "--backend", f"kind=openai_http,target={service.url},model={model},request_format={route}",
          "--profile", profile,
          "--constraint", f"kind=max_requests,count={REQUESTS}",
