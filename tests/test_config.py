@@ -226,3 +226,14 @@ def test_fault_layer_delay_is_checked(text: str) -> None:
     assert _layer_delay("") == 0.0 and _layer_delay("0.004") == 0.004
     with pytest.raises(ConfigError, match=rf"KVSERVE_FAULT_LAYER_DELAY_S='{text}': want seconds from 0 to 1"):
         _layer_delay(text)
+
+
+def test_tool_call_parser_is_a_family_none_or_unset() -> None:
+    from kvserve.config.frontend import FAMILY_NAMES, FrontendConfig
+    from kvserve.model.tool_parsers import FAMILIES
+
+    assert tuple(FAMILIES) == FAMILY_NAMES
+    for name in ("", "none", *FAMILY_NAMES):
+        assert FrontendConfig(tool_call_parser=name).tool_call_parser == name
+    with pytest.raises(ConfigError, match="^--tool-call-parser: 'qwen' is not one of hermes, llama3_json, mistral"):
+        FrontendConfig(tool_call_parser="qwen")

@@ -43,9 +43,9 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "kvserve.model": LEAF,
     "kvserve.runner": (*LEAF, "kvserve.messages", "kvserve.memsvc.client", "kvserve.model",
                        "kvserve.kernels"),
-    # kvserve.model.grammars is torch-free (llguidance only): the frontend compiles constraints
+    # kvserve.model.grammars (llguidance only) and .tool_parsers are torch-free: the frontend compiles constraints
     "kvserve.frontend": (*LEAF, "kvserve.messages", "kvserve.model.tokenizer", "kvserve.model.files",
-                         "kvserve.model.grammars", "kvserve.v1"),
+                         "kvserve.model.grammars", "kvserve.model.tool_parsers", "kvserve.v1"),
     # the supervisor asks the frontend which runners are live through the public gRPC API
     "kvserve.serve": (*LEAF, "kvserve.v1"),
     "kvserve.tools": (*LEAF, "kvserve.v1", "kvserve.model", "kvserve.messages",

@@ -12,6 +12,9 @@ from dataclasses import dataclass
 from kvserve.config import ConfigError, option
 from kvserve.config.checks import check_address, check_kv_events, check_port, check_positive
 
+# the tool-call formats kvserve reads (kvserve.model.tool_parsers implements each)
+FAMILY_NAMES = ("hermes", "llama3_json", "mistral")
+
 
 @dataclass(frozen=True, slots=True)
 class FrontendConfig:
@@ -46,6 +49,8 @@ class FrontendConfig:
     max_constraint_chars: int = option(256 * 1024, help="longest structured-output constraint (a JSON "
                                                         "schema, regex, grammar or the choices together), "
                                                         "in characters, checked before it is compiled")
+    tool_call_parser: str = option("", help="how replies write tool calls: hermes, llama3_json or mistral "
+                                            "('' = the one the chat template writes; 'none' = refuse tools)")
     max_send_message_bytes: int = option(16 * 1024 * 1024, help="largest gRPC response message sent "
                                                                 "(a long Tokenize answer is the largest)")
     max_concurrent_rpcs: int = option(1024, help="calls of any kind in progress at once before gRPC "
@@ -94,6 +99,9 @@ class FrontendConfig:
             "max_concurrent_rpcs",
             "drain_timeout_s", "runner_timeout_s",
         )
+        if self.tool_call_parser not in ("", "none", *FAMILY_NAMES):
+            raise ConfigError(f"--tool-call-parser: {self.tool_call_parser!r} is not one of "
+                              f"{', '.join(FAMILY_NAMES)} (or none, or '' for the chat template's)")
         if self.request_inactivity_timeout_s < 0:
             raise ConfigError("--request-inactivity-timeout-s: must be >= 0, got "
                               f"{self.request_inactivity_timeout_s}")

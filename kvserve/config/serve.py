@@ -71,6 +71,7 @@ EXPOSED: dict[str, tuple[str, ...]] = {
     "max_concurrent_streams": ("frontend",),
     "max_concurrent_rpcs": ("frontend",),
     "max_prompt_chars": ("frontend",),
+    "tool_call_parser": ("frontend",),
     "tls_cert": ("frontend",),
     "tls_key": ("frontend",),
     "auth_token_file": ("frontend",),

@@ -54,6 +54,7 @@ from kvserve.frontend.http_stream import (
     _usage,
 )
 from kvserve.frontend.http_structured import LEGACY_NAMES, constraint
+from kvserve.frontend.http_tools import ToolPlan, ToolReplies, chat_tools, tool_family
 from kvserve.frontend.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -82,6 +83,7 @@ class OpenAIFace:
         self.created = int(time.time())
         self.instance_id = f"{served_model_name}-{uuid.uuid4().hex[:12]}"  # unique per incarnation
         self._on_ignored = on_ignored
+        self.tool_family, self.tool_marker_id = tool_family(cfg.tool_call_parser, path.tok)
         self._warned: set[str] = set()
         self.app = self._build()
 
@@ -205,6 +207,7 @@ class OpenAIFace:
     async def render_chat(self, request: Request) -> dict:
         body: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
         req = pb.GenerateRequest(chat=_chat(body.messages, body.add_generation_prompt))
+        req.chat.tools.extend(chat_tools(body))
         return {"token_ids": await self._ids(prompt_ids, req, "prompt", True)}
 
     # -- generation -------------------------------------------------------------------------
@@ -236,8 +239,7 @@ class OpenAIFace:
     async def chat_completions(self, request: Request) -> Response:
         body: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
         self._refuse_common(body)
-        if body.tools:
-            raise _unsupported("tools", "tool calling")
+        plan = ToolPlan.of(body, self.tool_family, self.tool_marker_id, self.cfg.tool_call_parser)
         if body.continue_final_message:
             raise _unsupported("continue_final_message", "continue_final_message")
         if body.echo:
@@ -250,9 +252,13 @@ class OpenAIFace:
                             "invalid_value")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         req = pb.GenerateRequest(chat=_chat(body.messages, body.add_generation_prompt))
+        req.chat.tools.extend(chat_tools(body))
         req.sampling.CopyFrom(_sampling(body, max_tokens, 0 if top is None else max(top, 1)))
         fmt = _ChatFormat(self, "chatcmpl-", top)
-        return await self._generate(request, req, body, fmt, chat=True)
+        if plan is not None:
+            fmt.tools = ToolReplies(plan)
+        forced = None if plan is None or plan.constraint is None else ("tools", plan.constraint)
+        return await self._generate(request, req, body, fmt, chat=True, forced=forced)
 
     @staticmethod
     def _refuse_common(body: _Sampling) -> None:
@@ -260,12 +266,17 @@ class OpenAIFace:
             raise HTTPError(400, f"n: must be in 1..{MAX_N}, got {body.n}", "n", "invalid_value")
 
     async def _generate(self, request: Request, req: pb.GenerateRequest, body: _Sampling, fmt: _Format,
-                        chat: bool) -> Response:
+                        chat: bool, forced: tuple[str, pb.Constraint] | None = None) -> Response:
         req.request_id = request.headers.get("x-request-id", "") or fmt.id
         opts = body.stream_options  # checked before anything is admitted
         if opts is not None and opts.model_extra:
             raise _unsupported(f"stream_options.{next(iter(opts.model_extra))}", "this stream option")
         asked = constraint(body)
+        if forced is not None:  # the tools' grammar: the reply must be calls
+            if asked is not None:
+                raise HTTPError(400, f"{asked[0]}: a structured output cannot be asked beside tool_choice "
+                                     "required, a named function or a strict tool", asked[0], "invalid_value")
+            asked = forced
         if asked is not None:
             req.sampling.constraint.CopyFrom(asked[1])
         arrival = time.monotonic()
@@ -294,10 +305,10 @@ class OpenAIFace:
             yield fmt.first_event()
             async for index, step in choices.steps():
                 if step.text or step.finish_reason or fmt.top is not None:
-                    chunk = fmt.chunk(step, index)
-                    if fmt.running_usage:
-                        chunk["usage"] = _usage(choices.usage())
-                    yield b"data: " + _encode(chunk) + b"\n\n"
+                    for chunk in fmt.chunks(step, index):
+                        if fmt.running_usage:
+                            chunk["usage"] = _usage(choices.usage())
+                        yield b"data: " + _encode(chunk) + b"\n\n"
             if include_usage:
                 yield b"data: " + _encode(fmt.usage_chunk(choices.usage())) + b"\n\n"
         except Rejected as exc:

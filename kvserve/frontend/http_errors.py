@@ -9,6 +9,8 @@ streaming or runners.
 
 from __future__ import annotations
 
+import re
+
 import pydantic
 
 from kvserve.frontend.requests import Rejected
@@ -45,6 +47,9 @@ def _param(field: str, chat: bool) -> str:
         if rest.startswith("logprobs"):
             return "top_logprobs" if chat else "logprobs"
         return rest
+    for proto in ("prompt.chat.tools", "input.chat.tools"):  # a proto Tool is OpenAI's tool's function
+        if field.startswith(proto):
+            return "tools" + re.sub(r"^(\[\d+\])\.", r"\1.function.", field[len(proto):])
     for proto, http in (("prompt.chat.messages", "messages"), ("input.chat.messages", "messages"),
                         ("prompt.chat", "messages"), ("input.chat", "messages"),
                         ("prompt.token_ids", "prompt"), ("prompt.text", "prompt"), ("input.text", "prompt")):

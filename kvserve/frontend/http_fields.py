@@ -51,13 +51,11 @@ HARMLESS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "cache_salt": (_empty, "a prefix cache isolated by salt"),
     "session_params": (_empty, "SGLang sessions"),
     "store": (_is(False, None), "stored completions"),
-    "tool_choice": (_is("none", None), "tool calling"),
     # no effect here whatever the value
     "spaces_between_special_tokens": (_always, ""),  # special tokens are skipped: no spaces to put
     "separate_reasoning": (_always, ""),  # no reasoning parser: the reply is the text as written
     "stream_reasoning": (_always, ""),
     "include_reasoning": (_always, ""),
-    "parallel_tool_calls": (_always, ""),  # only with tools
     "user": (_always, ""),  # an end user's id, for the client's own tracking
     "metadata": (_always, ""),  # only with store
     "service_tier": (_always, ""),  # one tier here

@@ -46,7 +46,10 @@ def _chat(messages: list, add_generation_prompt: bool) -> pb.Chat:
                                                                       f"{part.get('type')!r}")
                 texts.append(part.text)
             content = "\n".join(texts)
-        chat.messages.add(role="system" if m.role == "developer" else m.role, content=content or "")
+        msg = chat.messages.add(role="system" if m.role == "developer" else m.role, content=content or "",
+                                name=m.name or "", tool_call_id=m.tool_call_id or "")
+        for c in m.tool_calls or []:
+            msg.tool_calls.add(id=c.id, name=c.function.name, arguments=c.function.arguments)
     return chat
 
 

@@ -25,6 +25,7 @@ from kvserve.messages.frontend_runner import TokenLogprob
 
 if TYPE_CHECKING:
     from kvserve.frontend.http_api import OpenAIFace
+    from kvserve.frontend.http_tools import ToolReplies
 
 SSE_DONE = b"data: [DONE]\n\n"
 _encode = msgspec.json.Encoder().encode
@@ -80,6 +81,9 @@ class _Format:
     def chunk(self, step: Step, index: int = 0) -> dict:
         raise NotImplementedError
 
+    def chunks(self, step: Step, index: int = 0) -> list[dict]:
+        return [self.chunk(step, index)]
+
 
 class _CompletionFormat(_Format):
     chunk_object = "text_completion"
@@ -122,6 +126,7 @@ class _CompletionFormat(_Format):
 class _ChatFormat(_Format):
     chunk_object = "chat.completion.chunk"
     whole_object = "chat.completion"
+    tools: ToolReplies | None = None  # replies read for tool calls
 
     def _logprobs(self, token_ids: list[int], lps: list[TokenLogprob]) -> dict | None:
         if self.top is None:
@@ -145,11 +150,32 @@ class _ChatFormat(_Format):
             "index": index, "delta": {"content": step.text} if step.text else {},
             "logprobs": self._logprobs(step.token_ids, step.logprobs), "finish_reason": step.finish_reason or None}]}
 
+    def chunks(self, step: Step, index: int = 0) -> list[dict]:
+        if self.tools is None:
+            return [self.chunk(step, index)]
+        content, calls = self.tools.step(index, step)
+        lps = self._logprobs(step.token_ids, step.logprobs)
+
+        def one(delta: dict, logprobs: dict | None = None, reason: str | None = None) -> dict:
+            return self._head(self.chunk_object) | {"choices": [{
+                "index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
+
+        out = [one({"content": content} if content else {}, lps)] if content or lps else []
+        out += [one({"tool_calls": [d]}) for d in calls]
+        if step.finish_reason:
+            out.append(one({}, None, self.tools.finish_reason(index, step.finish_reason)))
+        return out
+
     def choice(self, steps: list[Step], index: int) -> dict:
         ids = [t for s in steps for t in s.token_ids]
         lps = [lp for s in steps for lp in s.logprobs]
-        return {"index": index, "message": {"role": "assistant", "content": "".join(s.text for s in steps)},
-                "logprobs": self._logprobs(ids, lps), "finish_reason": steps[-1].finish_reason}
+        reason = steps[-1].finish_reason
+        if self.tools is not None:
+            message = self.tools.message(index, steps)
+            reason = self.tools.finish_reason(index, reason)
+        else:
+            message = {"role": "assistant", "content": "".join(s.text for s in steps)}
+        return {"index": index, "message": message, "logprobs": self._logprobs(ids, lps), "finish_reason": reason}
 
 
 # -- transport helpers ------------------------------------------------------------------------

@@ -4,7 +4,7 @@ Types are checked strictly (a string is not a number, 1 is not true), and every 
 names its field. Fields that kvserve does not use are kept in `model_extra` rather than
 refused: routers re-serialize requests and add vLLM's and SGLang's fields, and the HTTP face
 counts them as ignored. Fields that would change the output in a way kvserve cannot honour
-(n > 1, echo, tools, ...) are declared here so that the face can refuse them by name.
+(echo on a chat, best_of, suffix, ...) are declared here so that the face can refuse them by name.
 
 Knows pydantic only; nothing about the proto, the runners or HTTP routing.
 """
@@ -77,9 +77,44 @@ class TextPart(_Body):
     text: str
 
 
+class CalledFunction(_Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI writes it
+
+
+class MessageToolCall(_Body):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Body):
     role: str
     content: str | list[TextPart | dict[str, Any]] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    tool_calls: list[MessageToolCall] | None = None  # an assistant message: the calls it made
+
+
+class FunctionSpec(_Body):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # the arguments always follow the schema where a call is constrained
+
+
+class ToolSpec(_Body):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Sampling):
@@ -92,7 +127,9 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False  # vLLM's: prepend the last message to the reply (refused)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(_Body):

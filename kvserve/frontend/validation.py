@@ -11,9 +11,15 @@ import math
 from dataclasses import dataclass
 
 from kvserve.config.frontend import FrontendConfig
+from kvserve.frontend.chat_input import (
+    InvalidArgument,
+    chat_chars,
+    template_messages,
+    template_tools,
+)
 from kvserve.messages.frontend_runner import SamplingParams
 from kvserve.model.grammars import GrammarCache, GrammarError, llg_tokenizer
-from kvserve.model.tokenizer import CHAT_ROLES, ChatTemplateError, FrontendTokenizer
+from kvserve.model.tokenizer import ChatTemplateError, FrontendTokenizer
 from kvserve.v1 import generator_pb2 as pb
 
 MAX_LOGPROBS = 20
@@ -23,14 +29,6 @@ MAX_LOGIT_BIAS = 1024
 LOGIT_BIAS_RANGE = 100.0
 """A bias is in [-100, 100], as OpenAI takes it."""
 _GRAMMARS: dict[int, tuple[FrontendTokenizer, GrammarCache]] = {}
-
-
-class InvalidArgument(ValueError):
-    """A request field that is missing or out of range; str() names the field."""
-
-    def __init__(self, field: str, problem: str) -> None:
-        super().__init__(f"{field}: {problem}")
-        self.field = field
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,18 +76,17 @@ def prompt_ids(prompt: pb.GenerateRequest | pb.TokenizeRequest, tok: FrontendTok
         if len(msgs) > cfg.max_chat_messages:
             raise InvalidArgument(f"{oneof}.chat.messages", f"{len(msgs)} messages is more than the limit of "
                                                             f"{cfg.max_chat_messages} (max_chat_messages)")
-        _check_chars(sum(len(m.role) + len(m.content) for m in msgs), cfg, f"{oneof}.chat")
-        for i, m in enumerate(msgs):
-            if m.role not in CHAT_ROLES:
-                raise InvalidArgument(
-                    f"{oneof}.chat.messages[{i}].role",
-                    f"unknown chat role {m.role!r} (expected one of {', '.join(CHAT_ROLES)})",
-                )
+        _check_chars(chat_chars(prompt.chat), cfg, f"{oneof}.chat")
+        messages = template_messages(prompt.chat, f"{oneof}.chat")
+        tools = template_tools(prompt.chat, f"{oneof}.chat")
         if not tok.has_chat_template:
             raise InvalidArgument(f"{oneof}.chat", "the model has no chat template; send text instead")
+        if tools and not tok.renders_tools:
+            raise InvalidArgument(f"{oneof}.chat.tools", "the model's chat template does not show the model "
+                                                         "any tools (it never reads `tools`)")
         add_gen = prompt.chat.add_generation_prompt if prompt.chat.HasField("add_generation_prompt") else True
         try:
-            ids = tok.render_chat([(m.role, m.content) for m in msgs], add_gen)
+            ids = tok.render_chat(messages, add_gen, tools)
         except ChatTemplateError as exc:  # the template refused this chat (raise_exception)
             raise InvalidArgument(f"{oneof}.chat", str(exc)) from None
     if not ids:

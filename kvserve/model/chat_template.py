@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from jinja2 import TemplateError, nodes
+from jinja2 import TemplateError, meta, nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -65,23 +65,28 @@ def _environment() -> ImmutableSandboxedEnvironment:
 class ChatTemplate:
     """One compiled chat template and the special-token strings it may refer to."""
 
-    __slots__ = ("source", "special_tokens", "_template")
+    __slots__ = ("source", "special_tokens", "renders_tools", "_template")
 
     def __init__(self, source: str, special_tokens: Mapping[str, str]) -> None:
         """`special_tokens`: template variable -> token text, e.g. {"bos_token": "<s>"}."""
+        env = _environment()
         try:
-            self._template = _environment().from_string(source)
+            self._template = env.from_string(source)
         except TemplateError as exc:
             raise ChatTemplateError(f"chat_template: does not compile ({exc})") from None
+        # whether the template reads `tools` (shows the model the tools of a chat)
+        self.renders_tools = "tools" in meta.find_undeclared_variables(env.parse(source))
         self.source = source
         self.special_tokens = dict(special_tokens)
 
-    def render(self, messages: Sequence[tuple[str, str]], add_generation_prompt: bool) -> str:
-        """The prompt text of `messages` ((role, content) pairs)."""
-        chat = [{"role": role, "content": content} for role, content in messages]
+    def render(self, messages: Sequence[tuple[str, str] | Mapping[str, Any]], add_generation_prompt: bool,
+               tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt text of `messages` ((role, content) pairs, or messages as transformers
+        takes them: with tool_calls, tool_call_id, name) and `tools` (OpenAI's tool objects)."""
+        chat = [dict(m) if isinstance(m, Mapping) else {"role": m[0], "content": m[1]} for m in messages]
         try:
             return self._template.render(
-                messages=chat, tools=None, documents=None,
+                messages=chat, tools=tools or None, documents=None,
                 add_generation_prompt=add_generation_prompt, **self.special_tokens,
             )
         except TemplateError as exc:

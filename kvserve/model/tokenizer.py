@@ -41,6 +41,7 @@ class FrontendTokenizer(Protocol):
     eos_token_ids: list[int]
     max_context_len: int
     has_chat_template: bool
+    renders_tools: bool
     backend: Tokenizer  # what the incremental detokenizer streams through
     stable_replacement: bool  # a decoded U+FFFD followed by more text never changes (no ByteFallback)
     silent_ids: frozenset[int]  # special ids, which decode() drops
@@ -48,7 +49,8 @@ class FrontendTokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def render_chat(self, messages: Sequence[tuple[str, str]], add_generation_prompt: bool) -> list[int]: ...
+    def render_chat(self, messages: Sequence[Any], add_generation_prompt: bool,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -78,6 +80,11 @@ class ModelTokenizer:
         return self.chat is not None
 
     @property
+    def renders_tools(self) -> bool:
+        """The chat template shows the model the tools of a chat."""
+        return self.chat is not None and self.chat.renders_tools
+
+    @property
     def chat_template(self) -> str | None:
         return self.chat.source if self.chat is not None else None
 
@@ -86,11 +93,13 @@ class ModelTokenizer:
         # long text tokenized in a worker thread does not stall the frontend's event loop
         return self.backend.encode_batch([text], add_special_tokens=False)[0].ids
 
-    def render_chat(self, messages: Sequence[tuple[str, str]], add_generation_prompt: bool) -> list[int]:
-        """Token ids of the chat rendered by the model's template; ChatTemplateError if it refuses."""
+    def render_chat(self, messages: Sequence[Any], add_generation_prompt: bool,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of the chat (and its tools) rendered by the model's template;
+        ChatTemplateError if it refuses."""
         if self.chat is None:
             raise ChatTemplateError("chat: the model has no chat template")
-        return self.encode(self.chat.render(messages, add_generation_prompt))
+        return self.encode(self.chat.render(messages, add_generation_prompt, tools))
 
     def decode(self, ids: list[int]) -> str:
         text = self.backend.decode(ids, skip_special_tokens=True)

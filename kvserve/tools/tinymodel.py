@@ -58,6 +58,7 @@ def tiny_config(
     attention_bias: bool = False,
     hidden_size: int = 48,
     intermediate_size: int = 80,
+    max_positions: int = 512,
 ) -> Any:
     """A transformers config for a tiny model of `family` ("llama", "mistral", "qwen2")."""
     from transformers import AutoConfig
@@ -70,7 +71,7 @@ def tiny_config(
         "num_attention_heads": num_heads,
         "num_key_value_heads": num_kv_heads,
         "head_dim": head_dim,
-        "max_position_embeddings": 512,
+        "max_position_embeddings": max_positions,
         "rms_norm_eps": 1e-5,
         "tie_word_embeddings": tie,
         "bos_token_id": BYTE_VOCAB,

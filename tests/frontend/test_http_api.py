@@ -234,6 +234,9 @@ def test_echo_and_n(api: Frontend, fakes: list[FakeRunner]) -> None:
 # ---- errors ---------------------------------------------------------------------------------
 
 
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+
 @pytest.mark.parametrize(("path", "body", "param", "says"), [
     ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "temperature", "valid number"),
     ("/v1/completions", {"prompt": "hi", "top_p": 7}, "top_p", "must be in (0, 1]"),
@@ -251,8 +254,10 @@ def test_echo_and_n(api: Frontend, fakes: list[FakeRunner]) -> None:
     ("/v1/completions", {"prompt": "hi", "skip_special_tokens": False}, "skip_special_tokens", "not supported"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo",
      "not supported"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"},
-     "tool_choice", "not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+     "tool_choice", "needs tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "maybe"},
+     "tool_choice", "Input should be"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs", "0..20"),
     ("/v1/completions", {"prompt": "hi", "seed": 2**64}, "seed", "less than or equal"),
     ("/v1/completions", {}, "prompt", "Field required"),
@@ -262,7 +267,12 @@ def test_echo_and_n(api: Frontend, fakes: list[FakeRunner]) -> None:
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content[0]", "not supported"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-     "tools", "not supported"),
+     "tools[0].function", "Field required"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [TOOL]}, "tools",
+     "writes calls in no format kvserve reads"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [TOOL],
+                              "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tools", "writes calls in no format kvserve reads"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
      "top_logprobs", "needs logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5000},

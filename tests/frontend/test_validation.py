@@ -89,7 +89,7 @@ def test_max_prompt_tokens_limits_below_context() -> None:
 
 
 class _RefusingTemplate(ByteTokenizer):
-    def render_chat(self, messages, add_generation_prompt):  # type: ignore[override]
+    def render_chat(self, messages, add_generation_prompt, tools=None):  # type: ignore[override]
         raise ChatTemplateError("chat: the template says: only user and assistant turns alternate")
 
 

@@ -127,7 +127,7 @@ def test_runner_process_serves_aborts_survives_memsvc_restart(tmp_path_factory: 
             fe.sock.send_multipart([b"r1", b"\x93garbage"])  # malformed: logged, counted, ignored
             for i, p in enumerate(prompts):
                 fe.send("r1", GenerateReq(f"g{i}", p, params, arrival_time=time.time()))
-            fe.send("r1", GenerateReq("long", prompts[0], greedy(max_new=200)))
+            fe.send("r1", GenerateReq("long", prompts[0], greedy(max_new=2000)))  # outlasts the checks below
             fe.wait(lambda: all(fe.done(f"g{i}") for i in range(3)))
             for i in range(3):
                 outs = fe.outputs(f"g{i}")

@@ -5,7 +5,8 @@ and seeded, and a plain stream whose deltas parse and validate), langchain-opena
 `with_structured_output` (json_schema and json_mode), and guidellm's CLI benchmarking the chat
 and completion routes, its counts checked against the server's own usage and counters.
 
-Tool calling is not served yet (a 400), so no client here is asked to send `tools`."""
+Tool calling's clients (the SDK's streamed calls, langchain's `bind_tools`) are in test_tools.py,
+on a model whose template writes calls."""
 
 from __future__ import annotations
 
@@ -133,8 +134,8 @@ def _chat(service: Service, model: str) -> ChatOpenAI:
 
 
 def test_langchain_json_schema(service: Service, client: openai.OpenAI, model: str) -> None:
-    # json_schema is langchain-openai 1.x's default; named here because the older default,
-    # function_calling, sends `tools`, which kvserve does not serve yet
+    # json_schema is langchain-openai 1.x's default, named here; function_calling sends `tools`,
+    # which SmolLM2's template does not render (a 400: test_tools.py has a model that does)
     structured = _chat(service, model).with_structured_output(City, method="json_schema", include_raw=True)
     out = structured.invoke(ASK)
     assert out["parsing_error"] is None

@@ -76,7 +76,8 @@ def test_exposed_settings_are_child_fields_not_copies() -> None:
                    "restart_window_s", "memsvc", "runner", "frontend"}
     flags = {a.dest for a in build_parser()._actions} - {"help", "config"}
     assert flags == (own - {"memsvc", "runner", "frontend"}) | set(EXPOSED)
-    assert len(flags) == 33  # 29, + --host-cache-bytes, --disk-cache-dir, --disk-cache-bytes (issue 20), --batch-invariant (36)
+    assert len(flags) == 34  # 29, + --host-cache-bytes, --disk-cache-dir, --disk-cache-bytes (issue 20),
+    #                          --batch-invariant (36), --tool-call-parser (37)
 
 
 @pytest.mark.parametrize(("layers", "expected"), [
