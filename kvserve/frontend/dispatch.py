@@ -83,6 +83,16 @@ class Failure:
     code: str = Code.UNAVAILABLE
 
 
+CHOICE_SEP = "\x1f"
+"""Between a request's id and its choice's index: a control character, which no client's id
+holds (validation refuses them), so a choice's id is never another request's."""
+
+
+def choice_id(request_id: str, index: int) -> str:
+    """The id choice `index` > 0 of an n > 1 request runs under."""
+    return f"{request_id}{CHOICE_SEP}{index}"
+
+
 @dataclass(frozen=True, slots=True)
 class UserAbort:
     """Queue event: the `Abort` RPC asked to stop this request."""
@@ -226,11 +236,12 @@ class Dispatcher:
         self._forget(p)
 
     def user_abort(self, request_id: str) -> bool:
-        p = self.pending.get(request_id)
-        if p is None:
-            return False
-        self._deliver(p, UserAbort())
-        return True
+        """Stop `request_id` and every other choice of it (`choice_id`); False if none runs."""
+        choices = [p for rid, p in self.pending.items()
+                   if rid == request_id or rid.startswith(request_id + CHOICE_SEP)]
+        for p in choices:
+            self._deliver(p, UserAbort())
+        return bool(choices)
 
     # ---- messages up -------------------------------------------------------------------
     async def _recv_loop(self) -> None:

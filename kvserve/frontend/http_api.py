@@ -282,11 +282,12 @@ class OpenAIFace:
         arrival = time.monotonic()
         try:
             prep = await self.path.prepare(req)
-            if body.n > self.cfg.max_concurrent_streams:
-                raise self.path.reject("INVALID_ARGUMENT", f"n: {body.n} choices is more than the "
-                                       f"{self.cfg.max_concurrent_streams} streams this server runs at once "
-                                       "(max_concurrent_streams)", "n")
-            first = self.path.admit(req.request_id, prep, arrival)
+            seats = min(self.cfg.max_concurrent_streams, self.cfg.max_waiting)
+            if body.n > seats:
+                raise self.path.reject("INVALID_ARGUMENT", f"n: {body.n} choices is more than the {seats} "
+                                       "streams this server admits at once (max_concurrent_streams, "
+                                       "max_waiting)", "n")
+            first = self.path.admit(req.request_id, prep, arrival, seats=body.n)
         except Rejected as exc:
             if asked is not None and exc.field.startswith("sampling.constraint"):  # named as the client did
                 exc = Rejected(exc.code, asked[0] + str(exc)[len(exc.field):], asked[0])

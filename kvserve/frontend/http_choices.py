@@ -3,7 +3,8 @@
 Choice 0 is admitted first; the other n - 1 are admitted when its first token arrives, that is
 once its prefill is done and committed to memsvc's prefix cache, so each of them finds the
 prompt's whole blocks there and computes only the last, partial one. They run as separate
-requests on the runners (ids ``<id>-1`` ... ``<id>-<n-1>``), each with its own finish reason.
+requests on the runners (ids `choice_id(<id>, i)`), each with its own finish reason; their seats
+are held from choice 0's admission, so a request that fits never fails halfway for want of them.
 A seeded request gives choice i the seed ``seed + i * GOLDEN`` (mod 2**64): choice 0 draws what
 an n = 1 request with that seed draws, and the others are reproducible but not copies of it.
 A greedy request's choices are equal, as they are elsewhere.
@@ -21,8 +22,10 @@ from collections.abc import AsyncIterator
 
 import msgspec
 
+from kvserve.frontend.dispatch import choice_id
 from kvserve.frontend.requests import Call, Rejected, RequestPath, Step, Usage
 from kvserve.frontend.validation import Prepared
+from kvserve.messages.frontend_runner import FinishReason
 
 GOLDEN = 0x9E37_79B9_7F4A_7C15
 MAX_N = 128
@@ -49,6 +52,8 @@ class Choices:
         self.request_id = request_id or first.request_id
         self.n = n
         self.arrival = arrival
+        self._aborted = False  # a choice ended by `Abort`: the choices not admitted yet end so too
+        self._held = n - 1  # seats `admit(seats=n)` holds for the choices not admitted yet
         self._tasks: list[asyncio.Task] = []  # the pumps and the task admitting choices 1..n-1
 
     def usage(self) -> Usage:
@@ -60,13 +65,15 @@ class Choices:
     def close(self) -> None:
         for call in self.calls:
             self.path.close(call)
+        self.path.release(self._held)
+        self._held = 0
 
     async def steps(self) -> AsyncIterator[tuple[int, Step]]:
         if self.n == 1:
             async for step in self.path.steps(self.calls[0]):
                 yield 0, step
             return
-        queue: asyncio.Queue[tuple[int, Step | Rejected | None]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, Step | Exception | None]] = asyncio.Queue()
         started = asyncio.Event()
         self._tasks += [asyncio.create_task(self._pump(0, self.calls[0], queue, started)),
                         asyncio.create_task(self._start_rest(queue, started))]
@@ -74,7 +81,7 @@ class Choices:
         try:
             while live:
                 index, item = await queue.get()
-                if isinstance(item, Rejected):
+                if isinstance(item, Exception):
                     raise item
                 if item is None:
                     live -= 1
@@ -88,21 +95,36 @@ class Choices:
     async def _pump(self, index: int, call: Call, queue: asyncio.Queue, started: asyncio.Event) -> None:
         try:
             async for step in self.path.steps(call):
+                self._aborted |= step.finish_reason == FinishReason.ABORT
                 started.set()
                 await queue.put((index, step))
-        except Rejected as exc:
+        except Exception as exc:  # Rejected, or a bug: either ends the merged stream, never hangs it
             await queue.put((index, exc))
+            return
         finally:
             started.set()
         await queue.put((index, None))
 
     async def _start_rest(self, queue: asyncio.Queue, started: asyncio.Event) -> None:
+        try:
+            await self._admit_rest(queue, started)
+        except Exception as exc:  # a bug here ends the merged stream rather than hanging it
+            await queue.put((0, exc))
+
+    async def _admit_rest(self, queue: asyncio.Queue, started: asyncio.Event) -> None:
         await started.wait()  # choice 0's prefill is committed: the others find its blocks cached
-        for index in range(1, self.n):
+        if self._aborted:  # choice 0 was aborted before its first token: so are the others
+            for index in range(1, self.n):
+                await queue.put((index, Step([], "", [], finish_reason=FinishReason.ABORT, usage=Usage(prompt=0))))
+                await queue.put((index, None))
+            return
+        for index in range(1, self.n):  # all in one turn of the loop: an Abort finds all or none
             try:
-                call = self.path.admit(f"{self.request_id}-{index}", choice_prep(self.prep, index), self.arrival)
+                call = self.path.admit(choice_id(self.request_id, index), choice_prep(self.prep, index),
+                                       self.arrival, held=True)
             except Rejected as exc:
                 await queue.put((index, exc))
                 return
+            self._held -= 1
             self.calls.append(call)
             self._tasks.append(asyncio.create_task(self._pump(index, call, queue, started)))

@@ -90,6 +90,7 @@ class RequestPath:
         self.draining = False
         self.active = 0  # admitted requests not yet closed
         self.waiting = 0  # admitted requests that have not received their first token
+        self.held = 0  # seats kept for choices not yet admitted (n > 1): counted as waiting ones
 
     def context_len(self) -> int:
         return self.dispatcher.router.context_len(self.tok.max_context_len)
@@ -113,28 +114,38 @@ class RequestPath:
         except InvalidArgument as exc:
             raise self.reject("INVALID_ARGUMENT", str(exc), exc.field) from None
 
-    def admit(self, request_id: str, prep: Prepared, arrival: float) -> Call:
-        """Check the limits and hand the request to a runner; `Rejected` when it cannot run."""
+    def admit(self, request_id: str, prep: Prepared, arrival: float, seats: int = 1,
+              held: bool = False) -> Call:
+        """Check the limits and hand the request to a runner; `Rejected` when it cannot run.
+        `seats`: streams the request will need (n choices): all must fit now, and the other
+        `seats - 1` are held for it until admitted with `held` or given back by `release`."""
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.dispatcher.pending:
             raise self.reject("INVALID_ARGUMENT", f"request_id: {request_id!r} is already in use by a "
                                                   "running request", "request_id")
-        if self.active >= self.cfg.max_concurrent_streams:
-            raise self.reject("RESOURCE_EXHAUSTED",
-                              f"too many concurrent streams (limit {self.cfg.max_concurrent_streams})")
-        if self.waiting >= self.cfg.max_waiting:
-            raise self.reject("RESOURCE_EXHAUSTED", f"the waiting queue is full ({self.cfg.max_waiting} requests)")
+        if not held:
+            if self.active + self.held + seats > self.cfg.max_concurrent_streams:
+                raise self.reject("RESOURCE_EXHAUSTED",
+                                  f"too many concurrent streams (limit {self.cfg.max_concurrent_streams})")
+            if self.waiting + self.held + seats > self.cfg.max_waiting:
+                raise self.reject("RESOURCE_EXHAUSTED",
+                                  f"the waiting queue is full ({self.cfg.max_waiting} requests)")
         try:
             pending = self.dispatcher.submit(request_id, prep.prompt_ids, prep.params)
         except NoRunner:
             raise self.reject("UNAVAILABLE", "no live runner; try again later") from None
         self.metrics.prompt_tokens.inc(len(prep.prompt_ids))
+        self.held += -1 if held else seats - 1
         self.active += 1
         self.waiting += 1
         self._gauges()
         return Call(request_id=request_id, pending=pending, arrival=arrival, last=arrival,
                     stream=TextStream.create(self.tok, prep.stops, prep.prompt_ids[-DETOK_CONTEXT:]),
                     usage=Usage(prompt=len(prep.prompt_ids)))
+
+    def release(self, seats: int) -> None:
+        """Give back `seats` held by `admit` that no choice will take."""
+        self.held -= seats
 
     async def start(self, request: pb.GenerateRequest) -> Call:
         """`prepare` then `admit`."""

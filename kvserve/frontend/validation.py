@@ -206,6 +206,8 @@ def prepare(req: pb.GenerateRequest, tok: FrontendTokenizer, cfg: FrontendConfig
     """Validate `req` fully (sampling first: it is cheap) and tokenize its prompt."""
     if len(req.request_id) > MAX_REQUEST_ID_LEN:
         raise InvalidArgument("request_id", f"longer than {MAX_REQUEST_ID_LEN} characters")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in req.request_id):
+        raise InvalidArgument("request_id", "holds a control character")
     params = sampling_params(req.sampling, tok, cfg)
     ids = prompt_ids(req, tok, cfg)
     limit = context_len - 1

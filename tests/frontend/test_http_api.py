@@ -12,9 +12,10 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -22,6 +23,7 @@ from grpc_health.v1 import health_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve.messages.frontend_runner import GenerateReq
+from kvserve.v1 import generator_pb2 as pb
 
 from .conftest import Frontend, start_frontend, stop_frontend
 from .fake_runner import FakeRunner, fake_logprob
@@ -229,6 +231,50 @@ def test_echo_and_n(api: Frontend, fakes: list[FakeRunner]) -> None:
     resp = httpx.post(api.url + "/v1/completions", json={"prompt": "hi", "stream": True,
                                                          "stream_options": {"made_up": True}})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "stream_options.made_up"
+
+
+def _choices_until(lines: Iterator[str], done: Callable[[dict], bool]) -> dict[int, list[str | None]]:
+    """Each choice's streamed pieces (its text, then its finish_reason) from the event stream's
+    `lines`, read until `done(seen)` (the stream stays open: breaking out of iter_lines closes it)."""
+    seen: dict[int, list[str | None]] = {}
+    for line in lines:
+        if line.startswith("data: {"):
+            for c in json.loads(line[6:])["choices"]:
+                seen.setdefault(c["index"], []).append(c["finish_reason"] or c["text"])
+            if done(seen):
+                break
+    return seen
+
+
+def test_n_takes_its_seats_at_admission_and_abort_stops_every_choice(api: Frontend, fakes: list[FakeRunner]) -> None:
+    r = _live(api, fakes, hold=True)  # answers nothing yet: every admitted choice stays waiting (limit 4)
+    with httpx.Client(base_url=api.url, timeout=30) as client:
+        with client.stream("POST", "/v1/completions", json={"prompt": "p", "n": 2, "stream": True},
+                           headers={"X-Request-Id": "two"}) as held:
+            assert held.status_code == 200
+            assert r.wait_for(lambda: len(r.generate_reqs()) == 1)  # choice 1 waits for choice 0's first token
+            over = client.post("/v1/completions", json={"prompt": "q", "n": 3})  # 2 seats taken, 2 left
+            assert over.status_code == 429 and "waiting queue is full" in over.json()["error"]["message"]
+            never = client.post("/v1/completions", json={"prompt": "q", "n": 5})
+            assert never.status_code == 400 and never.json()["error"]["param"] == "n"
+            assert "more than the 4 streams" in never.json()["error"]["message"]
+            # aborted before its first token: choice 1, never admitted, ends as aborted too
+            assert api.stub.Abort(pb.AbortRequest(request_id="two"), timeout=5).aborted
+            aborted = lambda s: len(s) == 2 and all(v[-1] == "abort" for v in s.values())  # noqa: E731
+            assert _choices_until(held.iter_lines(), aborted) == {0: ["abort"], 1: ["abort"]}
+        r.hold = False
+        long = {"prompt": "q", "n": 2, "stream": True, "max_tokens": 1000, "ignore_eos": True}  # 20 s
+        with client.stream("POST", "/v1/completions", json=long, headers={"X-Request-Id": "run"}) as running:
+            assert running.status_code == 200
+            lines = running.iter_lines()
+            assert _choices_until(lines, lambda s: len(s) == 2)  # both choices stream
+            assert api.stub.Abort(pb.AbortRequest(request_id="run"), timeout=5).aborted
+            assert {i: v[-1] for i, v in _choices_until(lines, aborted).items()} == {0: "abort", 1: "abort"}
+    assert r.wait_for(lambda: len(r.aborts()) == 3)  # two's choice 0 (choice 1 never ran), run's two
+    with pytest.raises(grpc.RpcError) as err:
+        next(iter(api.stub.Generate(pb.GenerateRequest(request_id="a\x1f1", text="hi"), timeout=5)))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "request_id: holds a control character" in err.value.details()
 
 
 # ---- errors ---------------------------------------------------------------------------------
