@@ -305,7 +305,7 @@ class OpenAIFace:
         try:
             yield fmt.first_event()
             async for index, step in choices.steps():
-                if step.text or step.finish_reason or fmt.top is not None:
+                if step.text or step.finish_reason or fmt.every_step:
                     for chunk in fmt.chunks(step, index):
                         if fmt.running_usage:
                             chunk["usage"] = _usage(choices.usage())

@@ -84,6 +84,11 @@ class _Format:
     def chunks(self, step: Step, index: int = 0) -> list[dict]:
         return [self.chunk(step, index)]
 
+    @property
+    def every_step(self) -> bool:
+        """Steps without text are formatted too (their logprobs, or a tool marker's token)."""
+        return self.top is not None
+
 
 class _CompletionFormat(_Format):
     chunk_object = "text_completion"
@@ -127,6 +132,10 @@ class _ChatFormat(_Format):
     chunk_object = "chat.completion.chunk"
     whole_object = "chat.completion"
     tools: ToolReplies | None = None  # replies read for tool calls
+
+    @property
+    def every_step(self) -> bool:
+        return self.top is not None or self.tools is not None
 
     def _logprobs(self, token_ids: list[int], lps: list[TokenLogprob]) -> dict | None:
         if self.top is None:

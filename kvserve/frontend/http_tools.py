@@ -10,7 +10,6 @@ whole. Knows the OpenAI tool shapes and `kvserve.model.tool_parsers`; nothing ab
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass, field
 
 from kvserve.frontend.http_errors import HTTPError, _unsupported
@@ -99,8 +98,11 @@ class ToolReplies:
         self._replies: dict[int, _Reply] = {}
 
     def _text(self, step: Step) -> str:
+        """The step's text as the family reads it: a special marker token, which decodes to
+        nothing, put back as its text. A runner output is one token, so any text the step
+        carries was held back from earlier tokens and comes before the marker."""
         marker = self.plan.marker_id is not None and self.plan.marker_id in step.token_ids
-        return (self.plan.family.marker if marker else "") + step.text
+        return step.text + (self.plan.family.marker if marker else "")
 
     def _read(self, index: int, text: str, final: bool) -> tuple[str, list[tuple[int, str, Call]]]:
         reply = self._replies.setdefault(index, _Reply(ToolStream(self.plan.family)))
@@ -109,7 +111,7 @@ class ToolReplies:
             if isinstance(item, str):
                 content += item
             elif not (self.plan.one and reply.ids):
-                reply.ids.append("call_" + uuid.uuid4().hex[:24])
+                reply.ids.append(self.plan.family.call_id())
                 calls.append((len(reply.ids) - 1, reply.ids[-1], item))
         return content, calls
 

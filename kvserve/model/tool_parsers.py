@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
+import string
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,7 +61,7 @@ def _json_at(text: str, pos: int) -> tuple[Any, int] | None:
     (yet: the text may still be arriving)."""
     try:
         return _DECODER.raw_decode(text, pos)
-    except ValueError:
+    except (ValueError, RecursionError):  # a reply nested past Python's limit is not a call
         return None
 
 
@@ -69,6 +71,21 @@ def _held_prefix(text: str, marker: str) -> int:
         if marker.startswith(text[-k:]):
             return k
     return 0
+
+
+def _rebased(node: Any, base: str) -> Any:
+    """`node` (part of a schema moved under `base`) with its `$ref`s into itself moved along:
+    ``#`` and ``#/properties/...`` gain the base; ``#/$defs/...`` stay (the defs move to the root)."""
+    if isinstance(node, list):
+        return [_rebased(v, base) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _rebased(v, base) for k, v in node.items()}
+    ref = node.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")) and \
+            not ref.startswith(("#/$defs/", "#/definitions/")):
+        out["$ref"] = base + ref[1:]
+    return out
 
 
 Item = str | Call
@@ -94,9 +111,33 @@ class Family:
         text still open; `final`: the reply has ended, nothing stays open."""
         raise NotImplementedError
 
+    def call_id(self) -> str:
+        """A new call's id, as OpenAI writes them."""
+        return "call_" + secrets.token_hex(12)
+
     def body_schema(self, tool: Tool) -> dict[str, Any]:
-        return {"type": "object", "properties": {"name": {"const": tool.name}, self.args_keys[0]: tool.parameters},
-                "required": ["name", self.args_keys[0]], "additionalProperties": False}
+        """One call's JSON schema: the tool's name and its arguments' schema, whose `$defs` (and
+        `definitions`) move to the root so that its `#/...` references still resolve."""
+        key = self.args_keys[0]
+        params = dict(tool.parameters)
+        defs = {k: params.pop(k) for k in ("$defs", "definitions") if k in params}
+        params = _rebased(params, f"#/properties/{key}")
+        return {"type": "object", "properties": {"name": {"const": tool.name}, key: params},
+                "required": ["name", key], "additionalProperties": False, **_rebased(defs, f"#/properties/{key}")}
+
+    def split_prose(self, text: str, final: bool, items: list[Item]) -> tuple[str, bool]:
+        """Content up to the next marker in `text` (which does not begin with one, less
+        whitespace) into `items`; (the text left, whether to go on reading)."""
+        head = text.lstrip()
+        if not final and self.marker.startswith(head):  # whitespace, or a marker's start: wait
+            return text, False
+        nxt = text.find(self.marker)
+        if nxt < 0:
+            keep = 0 if final else _held_prefix(text, self.marker)
+            items.append(text[:len(text) - keep])
+            return text[len(text) - keep:], False
+        items.append(text[:nxt])
+        return text[nxt:], True
 
     def rules(self, many: bool, auto: bool, marker_token: int | None) -> str:
         """The grammar's rules but `body` (one call's JSON): a reply of calls only, or (`auto`)
@@ -114,25 +155,44 @@ class Hermes(Family):
         while text:
             head = text.lstrip()
             if not head.startswith(self.marker):
-                if not final and self.marker.startswith(head):
+                text, go_on = self.split_prose(text, final, items)
+                if not go_on:
                     return items, text
-                nxt = text.find(self.marker)
-                if nxt < 0 and not final:  # text after the calls: content, less a marker's start
-                    keep = _held_prefix(text, self.marker)
-                    items.append(text[:len(text) - keep])
-                    return items, text[len(text) - keep:]
-                items.append(text if nxt < 0 else text[:nxt])
-                text = "" if nxt < 0 else text[nxt:]
                 continue
-            close = head.find(self.end)
-            if close < 0 and not final:
+            if len(head) < len(text):
+                items.append(text[:len(text) - len(head)])  # whitespace (dropped between calls)
+            text = head
+            read = self._block(text, final)
+            if read is None:
                 return items, text
-            block = head if close < 0 else head[:close + len(self.end)]
-            found = _json_at(block[len(self.marker):].strip().removesuffix(self.end).strip(), 0)
-            call = _call(found[0], self.args_keys) if found else None
-            items.append(call if call is not None else block)
-            text = head[len(block):]
+            item, end = read
+            items.append(item)
+            text = text[end:]
         return items, ""
+
+    def _block(self, text: str, final: bool) -> tuple[Item, int] | None:
+        """The call (or, not parsing, the content) `text` begins with and where it ends; None
+        while it may still be arriving. The JSON is read first, so a `</tool_call>` inside one
+        of its strings does not cut it; a call whose JSON is whole is a call with or without
+        its closing tag."""
+        pos = len(self.marker)
+        body = text[pos:].lstrip()
+        pos = len(text) - len(body)
+        found = _json_at(text, pos) if body.startswith("{") else None
+        call = _call(found[0], self.args_keys) if found else None
+        if call is not None:
+            end = found[1]
+            rest = text[end:].lstrip()
+            if rest.startswith(self.end):
+                return call, len(text) - len(rest) + len(self.end)
+            if not final and self.end.startswith(rest):  # the closing tag may still come
+                return None
+            return call, end
+        if not final:  # unparsed so far: more of the JSON may come
+            return None
+        close = text.find(self.end)
+        end = len(text) if close < 0 else close + len(self.end)
+        return text[:end], end  # not a call: content
 
     def rules(self, many: bool, auto: bool, marker_token: int | None) -> str:
         calls = '"\\n" body "\\n</tool_call>"' + (' ("\\n<tool_call>\\n" body "\\n</tool_call>")*' if many else "")
@@ -147,10 +207,12 @@ class Llama3Json(Family):
     marker = "<|python_tag|>"
     args_keys = ("parameters", "arguments")
 
+    WS = " \t\n\r"  # the whitespace the auto grammar lets come before a call
+
     def find(self, text: str, at_start: bool) -> tuple[int, int]:
         if not at_start:
             return -1, -1
-        head = text.lstrip()
+        head = text.lstrip(self.WS)
         lead = len(text) - len(head)
         if head.startswith(("{", self.marker)):
             return lead, 0
@@ -163,15 +225,16 @@ class Llama3Json(Family):
         text = text.removeprefix(self.marker) if text.startswith(self.marker) else text
         pos = 0
         while True:
-            while pos < len(text) and (text[pos].isspace() or text[pos] == ";"):
+            start = pos
+            while pos < len(text) and (text[pos] in self.WS or text[pos] == ";"):
                 pos += 1
-            if pos == len(text):
-                return items, ""
+            if pos == len(text):  # only separators so far: kept until something follows
+                return items, "" if final else text[start:]
             found = _json_at(text, pos) if text[pos] == "{" else None
             if found is None:
                 if not final and text[pos] == "{":
-                    return items, text[pos:]
-                items.append(text[pos:])  # not a call: the rest of the reply is content
+                    return items, text[start:]
+                items.append(text[start:])  # not a call: the rest of the reply is content
                 return items, ""
             call = _call(found[0], self.args_keys)
             items.append(call if call is not None else text[pos:found[1]])
@@ -180,7 +243,7 @@ class Llama3Json(Family):
     def rules(self, many: bool, auto: bool, marker_token: int | None) -> str:
         calls = "body" + (' ("; " body)*' if many else "")
         if auto:  # text that does not open with "{", or the calls
-            return f"start: PROSE | calls\nPROSE: /(?s:.*)/ & ~/[ \\t\\n]*\\{{(?s:.*)/\ncalls: {calls}"
+            return f"start: PROSE | calls\nPROSE: /(?s:.*)/ & ~/[ \\t\\n\\r]*\\{{(?s:.*)/\ncalls: {calls}"
         return f"start: calls\ncalls: {calls}"
 
 
@@ -189,14 +252,22 @@ class Mistral(Family):
     marker = "[TOOL_CALLS]"
     _NAME = re.compile(r"[A-Za-z0-9_.\-]+(?:\[ARGS\])?")
 
+    def call_id(self) -> str:
+        """Mistral's templates take only ids of 9 letters and digits."""
+        return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+
     def split(self, text: str, final: bool) -> tuple[list[Item], str]:
         items: list[Item] = []
         while text:
-            if not text.startswith(self.marker):
-                if not final and self.marker.startswith(text):
+            head = text.lstrip()
+            if not head.startswith(self.marker):
+                text, go_on = self.split_prose(text, final, items)
+                if not go_on:
                     return items, text
-                items.append(text)
-                return items, ""
+                continue
+            if len(head) < len(text):
+                items.append(text[:len(text) - len(head)])  # whitespace (dropped between calls)
+            text = head
             pos = len(self.marker)
             while pos < len(text) and text[pos].isspace():
                 pos += 1
@@ -216,7 +287,7 @@ class Mistral(Family):
                 items.extend(c for c in calls if c is not None)
             else:
                 items.append(text[:end])
-            text = text[end:].lstrip() if found else ""
+            text = text[end:]
         return items, ""
 
     def rules(self, many: bool, auto: bool, marker_token: int | None) -> str:
@@ -254,10 +325,11 @@ def grammar(family: Family, tools: list[Tool], many: bool, auto: bool = False,
     marker where it is a special token."""
     from kvserve.model.grammars import JSON_STYLE
 
-    bodies = [family.body_schema(t) for t in tools]
-    schema: dict[str, Any] = bodies[0] if len(bodies) == 1 else {"anyOf": bodies}
-    body = "%json " + json.dumps({"x-guidance": JSON_STYLE} | schema)
-    return f"{family.rules(many, auto, marker_token)}\nbody: {body}"
+    # a rule per tool: each call's schema is a root of its own, where its $defs resolve
+    bodies = "".join(f"\nbody_{i}: %json " + json.dumps({"x-guidance": JSON_STYLE} | family.body_schema(t))
+                     for i, t in enumerate(tools))
+    alternatives = " | ".join(f"body_{i}" for i in range(len(tools)))
+    return f"{family.rules(many, auto, marker_token)}\nbody: {alternatives}{bodies}"
 
 
 class ToolStream:
@@ -271,6 +343,7 @@ class ToolStream:
         self._in_calls = False
         self._no_calls = False  # the family allows calls only at the start, and content came first
         self._said = False  # content was emitted
+        self._gap = ""  # whitespace after a call: content if content follows, dropped if a call does
 
     def push(self, text: str, final: bool = False) -> list[Item]:
         """The items `text` completes (content as str, calls as Call)."""
@@ -296,8 +369,12 @@ class ToolStream:
             if isinstance(item, Call):
                 self.calls.append(item)
                 out.append(item)
-            elif item.strip():  # whitespace between and after the calls is not content
-                out.append(item)
+                self._gap = ""
+            elif not item.strip():  # whitespace between the calls or after the last is not content
+                self._gap += item
+            else:
+                out.append(self._gap + item)
+                self._gap = ""
                 self._said = True
         return out
 

@@ -56,6 +56,7 @@ class FakeRunner:
     address: str
     runner_id: str
     reply: str = "Hello, wörld! 你好 and more text to fill the stream."
+    reply_ids: list[int] | None = None  # the token ids to send instead of `reply`'s bytes
     step_s: float = 0.02
     hold: bool = False  # accept requests but never produce tokens
     max_context_len: int = 4096
@@ -153,7 +154,7 @@ class FakeRunner:
     def _step(self) -> list[TokenOut]:
         if self.hold:
             return []
-        data = self.reply.encode()
+        data = self.reply.encode() if self.reply_ids is None else self.reply_ids
         outs = []
         with self._lock:
             for request_id, r in list(self._running.items()):

@@ -31,6 +31,18 @@ READS = [
     ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"x": 1}}, {"name": "g", "arguments": {}}]', [F, G]),
     ("mistral", 'Hi [TOOL_CALLS]f{"x": 1}[TOOL_CALLS]g[ARGS]{}', ["Hi ", F, G]),
     ("mistral", "plain", ["plain"]),
+    # the JSON is read first: its strings may hold the closing tag
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"x": "</tool_call>"}}</tool_call>',
+     [Call("f", '{"x": "</tool_call>"}')]),
+    # a call whose closing tag never came is a call; the text after it is content
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"x": 1}} and some text', [F, " and some text"]),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>\nA\n\nB', [F, "\nA\n\nB"]),
+    ("hermes", '<tool_call>{"name": "f", "arguments": ' + "[" * 5000, ['<tool_call>{"name": "f", "arguments": ' + "[" * 5000]),
+    ("llama3_json", '{"name": "f", "parameters": {"x": 1}} I called f.', [F, " I called f."]),
+    ("llama3_json", '\r{"name": "g", "parameters": {}}', [G]),
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"x": 1}}] ok [TOOL_CALLS][{"name": "g", "arguments": {}}]',
+     [F, " ok ", G]),
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"x": 1}}] A B', [F, " A B"]),
 ]
 
 
@@ -111,6 +123,26 @@ def test_a_calls_grammar_takes_the_replies_it_should(byte_tok: tuple, family: st
         items = ToolStream(FAMILIES[family]).push(reply, final=True)
         if taken and reply != "Hi":
             assert items and all(isinstance(i, Call) and isinstance(json.loads(i.arguments), dict) for i in items)
+
+
+def test_a_schema_with_defs_compiles_and_its_refs_resolve(byte_tok: tuple) -> None:
+    tok, ltok = byte_tok
+    params = {"type": "object", "properties": {"unit": {"$ref": "#/$defs/Unit"}, "more": {"$ref": "#/properties/unit"}},
+              "required": ["unit", "more"], "additionalProperties": False,
+              "$defs": {"Unit": {"type": "string", "enum": ["c", "f"]}}}
+    text = llguidance.grammar_from("lark", grammar(FAMILIES["hermes"], [Tool("w", params), TOOLS[1]], False))
+    assert check(text, ltok) == ""
+    for args, taken in (('{"unit": "c", "more": "f"}', True), ('{"unit": "k", "more": "f"}', False)):
+        m = llguidance.LLMatcher(ltok, text)
+        reply = f'<tool_call>\n{{"name": "w", "arguments": {args}}}\n</tool_call>'
+        assert (m.consume_tokens(tok.encode(reply, add_special_tokens=False).ids) and m.is_accepting()) is taken
+
+
+def test_call_ids_are_what_each_family_takes() -> None:
+    assert all(len(FAMILIES[f].call_id()) == 29 and FAMILIES[f].call_id().startswith("call_")
+               for f in ("hermes", "llama3_json"))
+    ids = {FAMILIES["mistral"].call_id() for _ in range(50)}
+    assert len(ids) == 50 and all(len(i) == 9 and i.isalnum() and i.isascii() for i in ids)
 
 
 def test_mistral_grammar_names_a_special_marker_by_its_token(byte_tok: tuple) -> None:
