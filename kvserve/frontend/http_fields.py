@@ -51,6 +51,10 @@ HARMLESS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "cache_salt": (_empty, "a prefix cache isolated by salt"),
     "session_params": (_empty, "SGLang sessions"),
     "store": (_is(False, None), "stored completions"),
+    "allowed_token_ids": (_empty, "a vocabulary limited to some ids (logit_bias can ban tokens)"),
+    "bad_words": (_empty, "banned words"),
+    "prompt_logprobs": (_is(None), "the prompt's logprobs"),
+    "guided_whitespace_pattern": (_is(None), "a whitespace pattern for JSON (kvserve writes one layout)"),
     # no effect here whatever the value
     "spaces_between_special_tokens": (_always, ""),  # special tokens are skipped: no spaces to put
     "separate_reasoning": (_always, ""),  # no reasoning parser: the reply is the text as written
@@ -61,6 +65,7 @@ HARMLESS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "service_tier": (_always, ""),  # one tier here
     "request_id": (_always, ""),  # the x-request-id header names a request here
     "rid": (_always, ""),
+    "guided_decoding_backend": (_always, ""),  # a grammar library's name: llguidance serves every one
 }
 
 
