@@ -13,13 +13,17 @@ nothing and keep their numbers. After sampling, `accept` feeds the token to the 
 request ends ("stop") when the grammar is complete, and fails when the matcher refuses the token
 (which a mask makes impossible unless the grammar library errs).
 
-A matcher lives on the request, so a preempted request resumes with it where it was. Knows
+A grammar is compiled once per runner for its text: the last `MATCHERS_KEPT` grammars are kept as
+matchers at their start, and a request gets a copy (`deep_copy`: 10 µs where compiling a 17 kB
+schema takes 6 ms, and n choices compile once). A matcher lives on the request, so a preempted
+request resumes with it where it was. Knows
 llguidance and torch; nothing about memsvc, sockets or the scheduler's tables.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -31,6 +35,10 @@ import torch
 from kvserve.model.grammars import LIMITS, llg_tokenizer
 
 
+MATCHERS_KEPT = 64
+"""Grammars a runner keeps compiled (a matcher at the start of each), least recently used out."""
+
+
 class Fill:
     """The masks of one step's constrained rows, being computed."""
 
@@ -39,10 +47,17 @@ class Fill:
         self._future = future
         self._bitmask = bitmask
         self.seconds = 0.0  # how long the masks took on their thread (once `result` returned)
+        self.empty: set[int] = set()  # rows whose grammar allows no token (once `result` returned)
 
     def result(self) -> tuple[list[int], torch.Tensor]:
-        """(rows, int32 bitmask [len(rows), ceil(V / 32)]) once the masks are done."""
+        """(rows, int32 bitmask [len(rows), ceil(V / 32)]) once the masks are done. A row whose
+        mask allows nothing is put in `empty` and left unmasked (its draw is thrown away: the
+        scheduler fails the request by name)."""
         self.seconds = self._future.result()
+        dead = (self._bitmask == 0).all(dim=1)
+        if bool(dead.any()):
+            self.empty = {self.rows[i] for i in dead.nonzero()[:, 0].tolist()}
+            self._bitmask[dead] = -1
         return self.rows, self._bitmask
 
 
@@ -56,6 +71,7 @@ class Constrainer:
         self.n_vocab = n_vocab
         self.eos = list(eos_token_ids)
         self._tok: llguidance.LLTokenizer | None = None
+        self._fresh: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()  # grammar text -> matcher
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="runner-grammar")  # started at its first fill
 
     @property
@@ -67,10 +83,17 @@ class Constrainer:
     def matcher(self, grammar: str) -> llguidance.LLMatcher:
         """A matcher at the start of `grammar`; ValueError with llguidance's message when the
         grammar does not compile (the frontend checks it first: this is a hostile peer's)."""
-        m = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=LIMITS)
-        if m.is_error():
-            raise ValueError(m.get_error())
-        return m
+        m = self._fresh.get(grammar)
+        if m is None:
+            m = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=LIMITS)
+            if m.is_error():
+                raise ValueError(m.get_error())
+            self._fresh[grammar] = m
+            if len(self._fresh) > MATCHERS_KEPT:
+                self._fresh.popitem(last=False)
+        else:
+            self._fresh.move_to_end(grammar)
+        return m.deep_copy()
 
     def fill(self, rows: list[int], matchers: list[Any]) -> Fill:
         """Start computing the masks of `matchers` (those of sampling rows `rows`, one or more)."""

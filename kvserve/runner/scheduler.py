@@ -280,9 +280,13 @@ class Scheduler:
                 self.metrics.step_seconds.labels(phase="mask").observe(fill.seconds)
                 self.metrics.masked_rows.inc(len(fill.rows))
             sampled = self.sampler.sample(logits, [r.sample_row for r in batch.sampling], masks=masks)
-            for req, tok, lp, bad in zip(batch.sampling, sampled.token_ids, sampled.logprobs,
-                                         sampled.nonfinite, strict=True):
-                out.append(self._fail_nonfinite(req) if bad else self._emit(req, tok, lp))
+            dead = fill.empty if fill is not None else set()
+            for i, (req, tok, lp, bad) in enumerate(zip(batch.sampling, sampled.token_ids, sampled.logprobs,
+                                                        sampled.nonfinite, strict=True)):
+                if i in dead:
+                    out.append(self._fail_grammar(req, "the grammar allows no token here"))
+                else:
+                    out.append(self._fail_nonfinite(req) if bad else self._emit(req, tok, lp))
         if self.metrics is not None:
             phase = "decode" if batch.is_decode else ("prefill" if not batch.sampling or len(plan) == 1 else "mixed")
             self.metrics.step_seconds.labels(phase=phase).observe(t1 - t0)
@@ -330,7 +334,7 @@ class Scheduler:
         return out
 
     def _fail_grammar(self, req: Request, error: str) -> TokenOut:
-        """The grammar refused the token its own mask allowed: fail `req` (INTERNAL)."""
+        """The grammar refused the token its own mask allowed, or allows none: fail `req` (INTERNAL)."""
         log.error("request %s: the grammar refused its sampled token: %s", req.request_id, error)
         self.kv.release(req, keep_kv=True)
         out = self._final(req, FinishReason.ERROR, error=f"structured output: {error}", code=ErrorCode.INTERNAL)
