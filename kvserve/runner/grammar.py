@@ -34,7 +34,6 @@ import torch
 
 from kvserve.model.grammars import LIMITS, llg_tokenizer
 
-
 MATCHERS_KEPT = 64
 """Grammars a runner keeps compiled (a matcher at the start of each), least recently used out."""
 

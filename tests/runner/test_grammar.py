@@ -12,7 +12,7 @@ from tokenizers import Tokenizer
 from kvserve.messages.frontend_runner import SamplingParams
 from kvserve.runner import grammar as grammar_mod
 from kvserve.runner.grammar import Constrainer
-from kvserve.runner.sampling import SampleRow, Sampler, apply_masks
+from kvserve.runner.sampling import Sampler, SampleRow, apply_masks
 from kvserve.tools.tinymodel import BYTE_VOCAB, VOCAB_SIZE, write_tokenizer
 
 EOS = BYTE_VOCAB + 1
