@@ -1,4 +1,5 @@
-"""The shape of a Llama-family model: `ModelConfig`, read from config.json or GGUF metadata.
+"""The shape of a model of one of the families (`kvserve.model.families`): `ModelConfig`, read
+from config.json or GGUF metadata.
 
 This module knows model hyperparameters only. It never reads tensors, never builds
 modules, and knows nothing about KV slots or scheduling.
@@ -12,9 +13,9 @@ from typing import Any
 
 import torch
 
-# HF `model_type` -> family, and the GGUF `general.architecture` values we accept.
-HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
-GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+from kvserve.model.families import FAMILIES, GGUF_ARCHITECTURES, HF_MODEL_TYPES, not_yet
+from kvserve.model.files import hf_context
+
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -24,7 +25,8 @@ class ModelLoadError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Hyperparameters of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2)."""
+    """Hyperparameters of a decoder of one of the families (Llama 2/3, Mistral, Qwen2/3, SmolLM2,
+    OLMo 2, Granite)."""
 
     family: str
     vocab_size: int
@@ -48,6 +50,22 @@ class ModelConfig:
     rope_original_max_position: int = 8192
     # Per-frequency divisors (GGUF `rope_freqs.weight`, how llama.cpp stores llama3 scaling).
     rope_freq_factors: tuple[float, ...] | None = None
+    qk_norm: str = ""  # the family's (`kvserve.model.families`): "", "head" or "all"
+    norm_after: bool = False
+    embedding_multiplier: float = 1.0  # Granite's multipliers (1.0 elsewhere)
+    residual_multiplier: float = 1.0
+    attention_multiplier: float = 0.0  # the attention's scale; 0: head_dim ** -0.5
+    logits_scaling: float = 1.0  # the logits are divided by it
+
+    @property
+    def plain_layer(self) -> bool:
+        """The Llama layer exactly (what the one-call native decode layer computes)."""
+        return (not self.qk_norm and not self.norm_after and self.residual_multiplier == 1.0
+                and self.embedding_multiplier == 1.0)
+
+    @property
+    def sm_scale(self) -> float:
+        return self.attention_multiplier or self.head_dim**-0.5
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -123,9 +141,10 @@ def config_from_hf(cfg: dict[str, Any], where: str) -> ModelConfig:
     if family is None:
         archs = cfg.get("architectures")
         raise ModelLoadError(
-            f"{where}: unsupported architecture model_type={model_type!r} architectures={archs!r} "
-            f"(supported model types: {', '.join(HF_MODEL_TYPES)})"
+            f"{where}: unsupported architecture model_type={model_type!r} architectures={archs!r}"
+            f"{not_yet(model_type)} (supported model types: {', '.join(HF_MODEL_TYPES)})"
         )
+    traits = FAMILIES[family]
     try:
         n_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
@@ -143,17 +162,28 @@ def config_from_hf(cfg: dict[str, Any], where: str) -> ModelConfig:
             head_dim=int(cfg.get("head_dim") or hidden // n_heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            max_position_embeddings=hf_context(cfg),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
-            o_bias=family != "qwen2" and bool(cfg.get("attention_bias", False)),
+            qkv_bias=traits.qkv_bias or bool(cfg.get("attention_bias", False)),
+            o_bias=not traits.qkv_bias and bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=traits.qk_norm,
+            norm_after=traits.norm_after,
+            **(_multipliers(cfg) if traits.scaled else {}),
             **_rope_fields(rope, where),
         )
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, ModelLoadError):
             raise
         raise ModelLoadError(f"{where}: missing or bad field {exc}") from None
+
+
+def _multipliers(cfg: dict[str, Any]) -> dict[str, float]:
+    """Granite's multipliers from its config.json."""
+    return {"embedding_multiplier": float(cfg.get("embedding_multiplier", 1.0)),
+            "residual_multiplier": float(cfg.get("residual_multiplier", 1.0)),
+            "attention_multiplier": float(cfg.get("attention_multiplier", 0.0)),
+            "logits_scaling": float(cfg.get("logits_scaling", 1.0))}
 
 
 def config_from_gguf(
@@ -171,8 +201,10 @@ def config_from_gguf(
     family = GGUF_ARCHITECTURES.get(str(arch))
     if family is None:
         raise ModelLoadError(
-            f"{where}: unsupported GGUF architecture {arch!r} (supported: {', '.join(GGUF_ARCHITECTURES)})"
+            f"{where}: unsupported GGUF architecture {arch!r}{not_yet(arch)} "
+            f"(supported: {', '.join(GGUF_ARCHITECTURES)})"
         )
+    traits = FAMILIES[family]
 
     def get(key: str, default: Any = None) -> Any:
         value = fields.get(f"{arch}.{key}", default)
@@ -206,5 +238,11 @@ def config_from_gguf(
         tie_word_embeddings=not has_output,
         qkv_bias=has_qkv_bias,
         rope_freq_factors=rope_freq_factors,
+        qk_norm=traits.qk_norm,
+        norm_after=traits.norm_after,
+        **({"embedding_multiplier": float(fields.get(f"{arch}.embedding_scale", 1.0)),
+            "residual_multiplier": float(fields.get(f"{arch}.residual_scale", 1.0)),
+            "attention_multiplier": float(fields.get(f"{arch}.attention.scale", 0.0)),
+            "logits_scaling": float(fields.get(f"{arch}.logit_scale", 1.0))} if traits.scaled else {}),
         **rope,
     )

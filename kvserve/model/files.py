@@ -320,6 +320,17 @@ def model_name(path: Path) -> str:
     return _QUANT_SUFFIX.sub("", path.name.removesuffix(".gguf"))
 
 
+def hf_context(cfg: dict) -> int:
+    """The longest context served for a HF config.json: the model's, capped at its sliding
+    window where it has one (Mistral's, or any with `use_sliding_window`: sliding-window
+    attention is not built, and within the window full attention computes the same)."""
+    n = int(cfg.get("max_position_embeddings", 4096))
+    window = cfg.get("sliding_window")
+    if window and (cfg.get("model_type") == "mistral" or cfg.get("use_sliding_window")):
+        n = min(n, int(window))
+    return n
+
+
 def kv_shape(path: Path) -> KVShape:
     """Read the KV shape of the model at `path` (a .gguf file or a HF directory)."""
     if path.is_dir():
@@ -334,7 +345,7 @@ def kv_shape(path: Path) -> KVShape:
                 n_layers=int(cfg["num_hidden_layers"]),
                 n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
                 head_dim=head_dim,
-                max_position=int(cfg.get("max_position_embeddings", 4096)),
+                max_position=hf_context(cfg),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelFileError(f"model {path}/config.json: missing or bad field {exc}") from None

@@ -18,6 +18,7 @@ import torch
 
 from kvserve.model import tokenizer_cache
 from kvserve.model.config import ModelConfig, ModelLoadError, config_from_gguf
+from kvserve.model.families import FAMILIES
 from kvserve.model.files import ModelFileError, open_gguf, reader_fields
 
 _BLOCK_NAMES = {
@@ -30,6 +31,10 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3, OLMo 2
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",  # OLMo 2 (which has no ffn_norm)
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 _TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -37,8 +42,6 @@ _TOP_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
-# Families whose llama.cpp conversion permutes Q/K rows (Qwen2 is converted unpermuted).
-_PERMUTED_FAMILIES = ("llama", "mistral")
 
 
 def open_reader(path: Path) -> Any:
@@ -99,7 +102,7 @@ def iter_tensors(
     reader: Any, config: ModelConfig, path: Path
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, float32 tensor) for every tensor with a HF counterpart."""
-    permute = config.family in _PERMUTED_FAMILIES
+    permute = FAMILIES[config.family].permuted  # llama.cpp's Llama converters permute Q/K rows
     for t in reader.tensors:
         name = hf_name(t.name)
         if name is None:

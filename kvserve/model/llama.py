@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over a flat ragged batch.
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2/3, SmolLM2, OLMo 2, Granite: the traits
+of each in `kvserve.model.families`) over a flat ragged batch.
 
 Tokens of all requests are concatenated (no padding); each carries its absolute position.
 Attention is delegated: `forward` hands each layer's q/k/v to a `kvserve.kernels` backend
@@ -49,14 +50,22 @@ class WeightSlot:
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention + SwiGLU MLP with fused qkv and gate/up projections."""
+    """Pre-norm attention + SwiGLU MLP with fused qkv and gate/up projections; with the config's
+    q/k norms, norms after the sublayers (`norm_after`: `post_norm` then normalises the
+    attention's output, `ffn_norm` the MLP's) and residual multiplier."""
 
     def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         kw: dict[str, Any] = {"dtype": dtype, "device": device}
         self.cfg = cfg
-        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.input_norm = None if cfg.norm_after else RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw) if cfg.norm_after else None
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:
+            per_head = cfg.qk_norm == "head"
+            self.q_norm = RMSNorm(cfg.head_dim if per_head else cfg.q_size, cfg.rms_norm_eps, **kw)
+            self.k_norm = RMSNorm(cfg.head_dim if per_head else cfg.kv_size, cfg.rms_norm_eps, **kw)
         qkv_rows = cfg.q_size + 2 * cfg.kv_size
         self.qkv_weight = param(qkv_rows, cfg.hidden_size, **kw)
         self.qkv_bias = param(qkv_rows, **kw) if cfg.qkv_bias else None
@@ -88,18 +97,31 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         cfg = self.cfg
         t = x.shape[0]
-        qkv = self.qkv(self.input_norm(x))
+        qkv = self.qkv(x if self.input_norm is None else self.input_norm(x))
         n_qk = cfg.num_heads + cfg.num_kv_heads
-        qk = rope(qkv[:, : n_qk * cfg.head_dim], n_qk)
+        qk = qkv[:, : n_qk * cfg.head_dim]
+        if self.q_norm is not None and self.k_norm is not None:
+            shape = (-1, cfg.head_dim) if cfg.qk_norm == "head" else (t, -1)  # each head's row, or each token's
+            q = self.q_norm(qkv[:, : cfg.q_size].reshape(shape).contiguous()).reshape(t, -1)
+            k = self.k_norm(qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].reshape(shape).contiguous()).reshape(t, -1)
+            qk = torch.cat((q, k), dim=1)
+        qk = rope(qk, n_qk)
         q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
         v = qkv[:, n_qk * cfg.head_dim :].view(t, cfg.num_kv_heads, cfg.head_dim)
         o = attend(layer, q, k, v)
-        h = x + self.o(o.reshape(t, cfg.q_size))
-        gate_up = self.gate_up(self.post_norm(h))
+        h = x + self._residual(self.o(o.reshape(t, cfg.q_size)), self.post_norm if cfg.norm_after else None)
+        gate_up = self.gate_up(h if cfg.norm_after else self.post_norm(h))
         if self.row_ops is not None and self.row_ops.rowwise(gate_up):  # the one-call layer's SiLU
-            return h + self.down(self.row_ops.silu_mul(gate_up))
+            return h + self._residual(self.down(self.row_ops.silu_mul(gate_up)), self.ffn_norm)
         gate, up = gate_up.split(cfg.intermediate_size, dim=-1)
-        return h + self.down(F.silu(gate) * up)
+        return h + self._residual(self.down(F.silu(gate) * up), self.ffn_norm)
+
+    def _residual(self, branch: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
+        """A sublayer's output as it joins the residual stream."""
+        if norm is not None:
+            return norm(branch)
+        m = self.cfg.residual_multiplier
+        return branch if m == 1.0 else branch * m
 
 
 def _one_kernel(lin: Any, batch_invariant: bool) -> None:
@@ -128,7 +150,7 @@ class LlamaForCausalLM(nn.Module):
             else param(config.vocab_size, config.hidden_size, **kw)
         )
         self.rotary = Rotary(config, device=device)
-        self.sm_scale = config.head_dim**-0.5
+        self.sm_scale = config.sm_scale
         self.head = Linear(self.lm_head, None)
         self.quantization = "none"
         self.row_ops: Any = None
@@ -173,7 +195,7 @@ class LlamaForCausalLM(nn.Module):
             lins = [getattr(layer, name) for name in PROJECTIONS]
             for lin in lins:
                 _one_kernel(lin, batch_invariant)
-            if int4 is not None and hasattr(ops, "DecodeLayer") and all(
+            if int4 is not None and hasattr(ops, "DecodeLayer") and self.config.plain_layer and all(
                     isinstance(lin, Int4Linear) and lin.kernel is not None and lin.bias is None for lin in lins):
                 cfg = self.config
                 try:
@@ -234,10 +256,16 @@ class LlamaForCausalLM(nn.Module):
         h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            slots[p + "input_layernorm.weight"] = WeightSlot(layer.input_norm.weight, 0, (h,))
+            if layer.input_norm is not None:
+                slots[p + "input_layernorm.weight"] = WeightSlot(layer.input_norm.weight, 0, (h,))
             slots[p + "post_attention_layernorm.weight"] = WeightSlot(
                 layer.post_norm.weight, 0, (h,)
             )
+            if layer.ffn_norm is not None:
+                slots[p + "post_feedforward_layernorm.weight"] = WeightSlot(layer.ffn_norm.weight, 0, (h,))
+            for norm, name in ((layer.q_norm, "q_norm"), (layer.k_norm, "k_norm")):
+                if norm is not None:
+                    slots[p + f"self_attn.{name}.weight"] = WeightSlot(norm.weight, 0, tuple(norm.weight.shape))
             for name, start, rows in (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)):
                 slots[p + f"self_attn.{name}.weight"] = WeightSlot(
                     layer.qkv_weight, start, (rows, h)
@@ -270,15 +298,22 @@ class LlamaForCausalLM(nn.Module):
         """Run the flat batch `input_ids` [T] at `positions` [T]; logits [B, vocab] for the
         tokens at `logits_indices` [B]: float32, or with `float_logits` False the head's own
         dtype (the model's)."""
-        x = F.embedding(input_ids, self.embed)
+        x = self._embed(input_ids)
         ops = self.row_ops
         rope = self.rotary.rope(positions, self.dtype, ops if ops is not None and ops.rowwise(x) else None)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, i, attend)
         return self._logits(x, logits_indices, float_logits)
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = F.embedding(input_ids, self.embed)
+        m = self.config.embedding_multiplier
+        return x if m == 1.0 else x * m
+
     def _logits(self, x: torch.Tensor, logits_indices: torch.Tensor, float_logits: bool) -> torch.Tensor:
         logits = self.head(self.norm(x.index_select(0, logits_indices)))
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
         return logits.float() if float_logits else logits
 
     def forward(
@@ -305,7 +340,7 @@ class LlamaForCausalLM(nn.Module):
         scale = self.sm_scale
         step = self._fused_step(input_ids, meta, k_buffer, backend)
         if step is not None:
-            x = F.embedding(input_ids, self.embed)
+            x = self._embed(input_ids)
             for i, layer in enumerate(self.layers):
                 if fence is not None:
                     fence(i)

@@ -25,7 +25,14 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from kvserve.model import tokenizer_cache
 from kvserve.model.chat_template import ChatTemplate, ChatTemplateError
-from kvserve.model.files import ModelFileError, gguf_eos_ids, gguf_fields, model_name, resolve_model
+from kvserve.model.files import (
+    ModelFileError,
+    gguf_eos_ids,
+    gguf_fields,
+    hf_context,
+    model_name,
+    resolve_model,
+)
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
@@ -233,7 +240,7 @@ def _from_hf_dir(path: Path) -> ModelTokenizer:
         eos.append(eos_tok)
     try:
         vocab_size = int(model_cfg.get("vocab_size") or backend.get_vocab_size())
-        context = int(model_cfg.get("max_position_embeddings", 4096))
+        context = hf_context(model_cfg)
     except (TypeError, ValueError) as exc:
         raise ModelFileError(f"model file {path / 'config.json'}: bad vocab_size or max_position_embeddings ({exc})") from None
     return ModelTokenizer(

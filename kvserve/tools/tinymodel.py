@@ -59,8 +59,10 @@ def tiny_config(
     hidden_size: int = 48,
     intermediate_size: int = 80,
     max_positions: int = 512,
+    extra: dict[str, Any] | None = None,
 ) -> Any:
-    """A transformers config for a tiny model of `family` ("llama", "mistral", "qwen2")."""
+    """A transformers config for a tiny model of `family` (a transformers model_type: "llama",
+    "mistral", "qwen2", "qwen3", "olmo2", "granite"); `extra`: more config fields."""
     from transformers import AutoConfig
 
     kw: dict[str, Any] = {
@@ -84,9 +86,9 @@ def tiny_config(
     kw["rope_parameters"] = rope
     if family == "llama":
         kw["attention_bias"] = attention_bias
-    if family == "mistral":
+    if family in ("mistral", "qwen3"):
         kw["sliding_window"] = None
-    return AutoConfig.for_model(family, **kw)
+    return AutoConfig.for_model(family, **kw | (extra or {}))
 
 
 def write_tiny_model(path: Path, *, seed: int = 0, shard: bool = False, **config_kw: Any) -> Path:

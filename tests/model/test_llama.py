@@ -1,7 +1,8 @@
 """The Llama-family model against transformers on tiny random checkpoints (CPU, seconds).
 
 Each variant (tied/untied embeddings, GQA/MQA/MHA, Qwen2 qkv bias, Llama attention bias,
-llama3 and linear rope scaling, Mistral) is written to a temp dir by tinymodel.py and
+llama3 and linear rope scaling, Mistral, Qwen3's per-head q/k norms, OLMo 2's norms after the
+sublayers and q/k norms over all heads, Granite's multipliers) is written to a temp dir by tinymodel.py and
 loaded both by kvserve and by transformers; logits of a ragged batch through the paged KV
 cache and the torch attention backend must match transformers' per-prompt forward.
 """
@@ -38,6 +39,10 @@ VARIANTS = {
     "llama3-rope": {"rope_scaling": LLAMA3},
     "qwen2-qkv-bias": {"family": "qwen2"},
     "mistral-untied": {"family": "mistral", "tie": False},
+    "qwen3-qk-norm": {"family": "qwen3", "tie": False},
+    "olmo2-norms-after": {"family": "olmo2", "tie": False, "num_kv_heads": 4},
+    "granite-multipliers": {"family": "granite", "extra": {
+        "embedding_multiplier": 3.0, "residual_multiplier": 0.4, "attention_multiplier": 0.1, "logits_scaling": 2.5}},
 }
 PROMPTS = [[5, 17, 99, 3, 200, 41, 7], [12, 250], list(range(30, 130, 3))]
 

@@ -42,6 +42,17 @@ def _same_params(a: torch.nn.Module, b: torch.nn.Module) -> None:
         assert torch.equal(pa[name], pb[name]), name
 
 
+def _dense_attention(cfg):
+    """attend() for one sequence without a cache: causal attention over all its tokens."""
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        rep = cfg.num_heads // cfg.num_kv_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=cfg.sm_scale)
+        return o.transpose(0, 1)
+    return attend
+
+
 def test_load_model_from_hf_dir(tiny: Path) -> None:
     loaded = load_model(str(tiny), dtype=torch.float32, device="cpu")
     assert loaded.name == "m"
@@ -127,6 +138,29 @@ def test_unsupported_architecture(tiny: Path, tmp_path: Path) -> None:
         load_model(str(bad))
 
 
+@pytest.mark.parametrize(("family", "extra", "context"), [
+    ("mistral", {"sliding_window": 64}, 64), ("mistral", {"sliding_window": None}, 512),
+    ("qwen3", {"sliding_window": 64, "use_sliding_window": False}, 512),
+    ("qwen3", {"sliding_window": 64, "use_sliding_window": True}, 64)])
+def test_a_sliding_window_caps_the_context(tmp_path: Path, family: str, extra: dict, context: int) -> None:
+    from kvserve.model.files import kv_shape
+    from kvserve.model.tokenizer import load_model_tokenizer
+
+    path = write_tiny_model(tmp_path / "m", family=family, extra=extra)
+    assert load_config(str(path)).max_position_embeddings == context  # the runner's
+    assert kv_shape(path).max_position == context  # memsvc's pool
+    assert load_tokenizer(str(path)).max_context_len == context
+    assert load_model_tokenizer(str(path)).max_context_len == context  # the frontend's
+
+
+def test_an_architecture_not_built_yet_says_what_it_needs(tiny: Path, tmp_path: Path) -> None:
+    bad = _copy(tiny, tmp_path / "moe")
+    _edit_config(bad, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"])
+    with pytest.raises(ModelLoadError, match=r"'qwen3_moe' architectures=.* \(mixture-of-experts layers are not built "
+                                             r"yet\) \(supported model types: llama, mistral, qwen2, qwen3, olmo2, granite\)"):
+        load_weights(bad)
+
+
 def test_unsupported_rope_type(tiny: Path, tmp_path: Path) -> None:
     bad = _copy(tiny, tmp_path / "bad")
     _edit_config(bad, rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4})
@@ -178,7 +212,10 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-_TO_GGUF = {v: k for k, v in ggufload._BLOCK_NAMES.items()}
+_TO_GGUF = {v: k for k, v in ggufload._BLOCK_NAMES.items() if k != "post_attention_norm"}
+_TO_GGUF_OLMO2 = _TO_GGUF | {"post_attention_layernorm": "post_attention_norm"}  # its norm is after attention
+GRANITE_SCALES = {"embedding_multiplier": "embedding_scale", "residual_multiplier": "residual_scale",
+                  "attention_multiplier": "attention.scale", "logits_scaling": "logit_scale"}
 
 
 def write_gguf(
@@ -200,6 +237,10 @@ def write_gguf(
     w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
+    if arch == "granite":
+        for hf_key, key in GRANITE_SCALES.items():
+            w.add_float32(f"{arch}.{key}", cfg[hf_key])
+    names = _TO_GGUF_OLMO2 if arch == "olmo2" else _TO_GGUF
     for name, t in tensors.items():
         arr = t.numpy()
         if name in ggufload._TOP_NAMES.values():
@@ -207,7 +248,7 @@ def write_gguf(
         else:
             parts = name.split(".")
             module = ".".join(parts[3:-1])
-            gname = f"blk.{parts[2]}.{_TO_GGUF[module]}.{parts[-1]}"
+            gname = f"blk.{parts[2]}.{names[module]}.{parts[-1]}"
             if permute and module == "self_attn.q_proj":
                 arr = _llama_cpp_permute(arr, cfg["num_attention_heads"])
             if permute and module == "self_attn.k_proj":
@@ -228,15 +269,28 @@ def write_gguf(
         ("llama", "llama", True, True),
         ("llama", "llama", True, False),
         ("qwen2", "qwen2", False, True),
+        ("qwen3", "qwen3", False, False),  # llama.cpp's Qwen converters do not permute
+        ("olmo2", "olmo2", False, False),
+        ("granite", "granite", True, True),  # converted as Llama (permuted), with its scales
     ],
 )
 def test_gguf_weights_equal_hf_weights(tmp_path: Path, family, arch, permute, tie) -> None:
-    hf_dir = write_tiny_model(tmp_path / "hf", family=family, tie=tie)
+    extra = {"extra": {"embedding_multiplier": 3.0, "residual_multiplier": 0.4, "attention_multiplier": 0.1,
+                       "logits_scaling": 2.5}} if family == "granite" else {}
+    hf_dir = write_tiny_model(tmp_path / "hf", family=family, tie=tie, **extra)
     path = write_gguf(hf_dir, tmp_path / "m.F32.gguf", arch=arch, permute=permute)
     from_gguf, from_hf = load_weights(path), load_weights(hf_dir)
     assert from_gguf.config.tie_word_embeddings == tie
     assert from_gguf.config.qkv_bias == (family == "qwen2")
+    assert from_gguf.config.family == family
+    for field in ("qk_norm", "norm_after", "embedding_multiplier", "residual_multiplier", "attention_multiplier",
+                  "logits_scaling"):
+        assert getattr(from_gguf.config, field) == pytest.approx(getattr(from_hf.config, field)), field
     _same_params(from_gguf, from_hf)
+    ids = torch.tensor([5, 17, 99, 3, 200])
+    same = [m.forward_tokens(ids, torch.arange(5), _dense_attention(m.config), torch.tensor([4]))
+            for m in (from_gguf, from_hf)]
+    torch.testing.assert_close(same[0], same[1], rtol=1e-5, atol=1e-5)
 
 
 def test_gguf_rope_freqs_tensor_gives_llama3_frequencies(tmp_path: Path) -> None:

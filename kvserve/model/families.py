@@ -1,0 +1,55 @@
+"""The model families kvserve loads: how each differs from the Llama decoder, and the names it
+goes by in a Hugging Face config.json (`model_type`) and in a GGUF file (`general.architecture`).
+
+Every family here is the Llama decoder (`kvserve.model.llama`: RMS norms, rotary attention,
+SwiGLU MLP) with some of these changes, which the config carries to the layers:
+- ``qk_norm``: an RMS norm on the queries and keys before the rotary, over each head
+  (``"head"``: Qwen3) or over all heads at once (``"all"``: OLMo 2);
+- ``norm_after``: each sublayer's output is normalised before it joins the residual, and its
+  input is not (OLMo 2);
+- ``scaled``: Granite's four multipliers (embeddings, residual branches, attention scale, logits);
+- ``qkv_bias``: biases on the q/k/v projections only (Qwen2);
+- ``permuted``: llama.cpp stores its Q/K rows permuted for the rotary (the Llama converters).
+
+Knows the families' names and traits; nothing about tensors or modules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    name: str
+    hf_model_types: tuple[str, ...]
+    gguf_architectures: tuple[str, ...]
+    qk_norm: str = ""  # "", "head" or "all"
+    norm_after: bool = False
+    scaled: bool = False
+    qkv_bias: bool = False
+    permuted: bool = False
+
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    Family("llama", ("llama",), ("llama",), permuted=True),
+    Family("mistral", ("mistral",), ("mistral",), permuted=True),
+    Family("qwen2", ("qwen2",), ("qwen2",), qkv_bias=True),
+    Family("qwen3", ("qwen3",), ("qwen3",), qk_norm="head"),
+    Family("olmo2", ("olmo2",), ("olmo2",), qk_norm="all", norm_after=True),
+    Family("granite", ("granite",), ("granite",), scaled=True, permuted=True),
+)}
+
+HF_MODEL_TYPES = {t: f.name for f in FAMILIES.values() for t in f.hf_model_types}
+GGUF_ARCHITECTURES = {a: f.name for f in FAMILIES.values() for a in f.gguf_architectures}
+
+NOT_YET = {  # architectures people ask for that kvserve does not load yet, and what they need
+    "qwen3_moe": "mixture-of-experts layers", "gemma3_text": "sliding-window layers and Gemma's norms",
+    "gemma3": "sliding-window layers and Gemma's norms", "phi3": "fused projections and partial rotary",
+    "mixtral": "mixture-of-experts layers",
+}
+
+
+def not_yet(name: object) -> str:
+    """What an architecture kvserve does not load yet needs (for its error message), or ""."""
+    return f" ({NOT_YET[str(name)]} are not built yet)" if str(name) in NOT_YET else ""
