@@ -56,12 +56,17 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float = 0.0  # the attention's scale; 0: head_dim ** -0.5
     logits_scaling: float = 1.0  # the logits are divided by it
+    num_experts: int = 0  # mixture-of-experts layers (`kvserve.model.moe`); 0: none
+    experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: tuple[int, ...] = ()  # the layers whose MLP is the experts'
 
     @property
     def plain_layer(self) -> bool:
         """The Llama layer exactly (what the one-call native decode layer computes)."""
         return (not self.qk_norm and not self.norm_after and self.residual_multiplier == 1.0
-                and self.embedding_multiplier == 1.0)
+                and self.embedding_multiplier == 1.0 and not self.moe_layers)
 
     @property
     def sm_scale(self) -> float:
@@ -170,12 +175,26 @@ def config_from_hf(cfg: dict[str, Any], where: str) -> ModelConfig:
             qk_norm=traits.qk_norm,
             norm_after=traits.norm_after,
             **(_multipliers(cfg) if traits.scaled else {}),
+            **(_experts(cfg) if traits.moe else {}),
             **_rope_fields(rope, where),
         )
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, ModelLoadError):
             raise
         raise ModelLoadError(f"{where}: missing or bad field {exc}") from None
+
+
+def _experts(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A mixture-of-experts config.json's experts (Qwen3-MoE's keys)."""
+    n = int(cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"])  # transformers 5 writes the latter
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = {int(i) for i in cfg.get("mlp_only_layers") or ()}
+    layers = tuple(i for i in range(int(cfg["num_hidden_layers"])) if i not in dense and n > 0 and (i + 1) % step == 0)
+    k = int(cfg["num_experts_per_tok"])
+    if layers and not 0 < k <= n:
+        raise ModelLoadError(f"num_experts_per_tok {k} must be in 1..num_experts ({n})")
+    return {"num_experts": n, "experts_per_tok": k, "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)), "moe_layers": layers}  # transformers' default
 
 
 def _multipliers(cfg: dict[str, Any]) -> dict[str, float]:
@@ -194,6 +213,7 @@ def config_from_gguf(
     has_qkv_bias: bool,
     rope_freq_factors: tuple[float, ...] | None,
     n_tokens: int | None = None,
+    moe_layers: tuple[int, ...] = (),
 ) -> ModelConfig:
     """Build a ModelConfig from GGUF metadata (`fields`: key -> decoded value); `n_tokens` is
     the length of the tokenizer vocabulary, used when the metadata has no vocab_size."""
@@ -244,5 +264,9 @@ def config_from_gguf(
             "residual_multiplier": float(fields.get(f"{arch}.residual_scale", 1.0)),
             "attention_multiplier": float(fields.get(f"{arch}.attention.scale", 0.0)),
             "logits_scaling": float(fields.get(f"{arch}.logit_scale", 1.0))} if traits.scaled else {}),
+        **({"num_experts": int(get("expert_count")), "experts_per_tok": int(get("expert_used_count")),
+            "moe_intermediate_size": int(get("expert_feed_forward_length")), "moe_layers": moe_layers,
+            "norm_topk_prob": bool(fields.get(f"{arch}.expert_weights_norm", True))}  # llama.cpp's qwen3moe: on
+           if traits.moe else {}),
         **rope,
     )

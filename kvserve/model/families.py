@@ -9,6 +9,7 @@ SwiGLU MLP) with some of these changes, which the config carries to the layers:
   input is not (OLMo 2);
 - ``scaled``: Granite's four multipliers (embeddings, residual branches, attention scale, logits);
 - ``qkv_bias``: biases on the q/k/v projections only (Qwen2);
+- ``moe``: mixture-of-experts MLPs (`kvserve.model.moe`) in the layers the config names;
 - ``permuted``: llama.cpp stores its Q/K rows permuted for the rotary (the Llama converters).
 
 Knows the families' names and traits; nothing about tensors or modules.
@@ -28,6 +29,7 @@ class Family:
     norm_after: bool = False
     scaled: bool = False
     qkv_bias: bool = False
+    moe: bool = False
     permuted: bool = False
 
 
@@ -36,6 +38,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("mistral", ("mistral",), ("mistral",), permuted=True),
     Family("qwen2", ("qwen2",), ("qwen2",), qkv_bias=True),
     Family("qwen3", ("qwen3",), ("qwen3",), qk_norm="head"),
+    Family("qwen3_moe", ("qwen3_moe",), ("qwen3moe",), qk_norm="head", moe=True),
     Family("olmo2", ("olmo2",), ("olmo2",), qk_norm="all", norm_after=True),
     Family("granite", ("granite",), ("granite",), scaled=True, permuted=True),
 )}
@@ -44,9 +47,8 @@ HF_MODEL_TYPES = {t: f.name for f in FAMILIES.values() for t in f.hf_model_types
 GGUF_ARCHITECTURES = {a: f.name for f in FAMILIES.values() for a in f.gguf_architectures}
 
 NOT_YET = {  # architectures people ask for that kvserve does not load yet, and what they need
-    "qwen3_moe": "mixture-of-experts layers", "gemma3_text": "sliding-window layers and Gemma's norms",
-    "gemma3": "sliding-window layers and Gemma's norms", "phi3": "fused projections and partial rotary",
-    "mixtral": "mixture-of-experts layers",
+    "gemma3_text": "sliding-window layers and Gemma's norms", "gemma3": "sliding-window layers and Gemma's norms",
+    "phi3": "fused projections and partial rotary", "mixtral": "Mixtral's expert weights",
 }
 
 

@@ -35,7 +35,10 @@ _BLOCK_NAMES = {
     "attn_k_norm": "self_attn.k_norm",
     "post_attention_norm": "post_attention_layernorm",  # OLMo 2 (which has no ffn_norm)
     "post_ffw_norm": "post_feedforward_layernorm",
+    "ffn_gate_inp": "mlp.gate",  # a mixture-of-experts router
 }
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+"""llama.cpp's experts of a layer, one 3-D tensor [experts, rows, cols] per projection."""
 _TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -88,6 +91,7 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
         has_qkv_bias="blk.0.attn_q.bias" in names,
         rope_freq_factors=factors,
         n_tokens=fields.get("tokenizer.ggml.tokens#len"),
+        moe_layers=tuple(sorted(int(n.split(".")[1]) for n in names if n.endswith(".ffn_gate_inp.weight"))),
     )
 
 
@@ -98,6 +102,13 @@ def _dequantize(t: Any) -> np.ndarray:
     return arr.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
 
 
+def _checked_dequantize(t: Any, path: Path) -> np.ndarray:
+    try:
+        return _dequantize(t)
+    except Exception as exc:
+        raise ModelLoadError(f"model {path}: tensor {t.name}: cannot dequantize ({exc})") from None
+
+
 def iter_tensors(
     reader: Any, config: ModelConfig, path: Path
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -105,14 +116,16 @@ def iter_tensors(
     permute = FAMILIES[config.family].permuted  # llama.cpp's Llama converters permute Q/K rows
     for t in reader.tensors:
         name = hf_name(t.name)
+        m = _BLOCK_RE.match(t.name)
+        if name is None and m is not None and m.group(2) in _EXPERT_NAMES:
+            experts = _checked_dequantize(t, path)
+            for e in range(experts.shape[0]):
+                hf = f"model.layers.{m.group(1)}.mlp.experts.{e}.{_EXPERT_NAMES[m.group(2)]}.{m.group(3)}"
+                yield hf, torch.from_numpy(np.array(experts[e], dtype=np.float32, order="C"))
+            continue
         if name is None:
             continue
-        try:
-            arr = _dequantize(t)
-        except Exception as exc:
-            raise ModelLoadError(
-                f"model {path}: tensor {t.name}: cannot dequantize ({exc})"
-            ) from None
+        arr = _checked_dequantize(t, path)
         if permute and ".q_proj." in name:
             arr = _unpermute(arr, config.num_heads)
         elif permute and ".k_proj." in name:
@@ -120,7 +133,8 @@ def iter_tensors(
         yield name, torch.from_numpy(np.array(arr, dtype=np.float32, order="C"))
 
 
-_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+                *_EXPERT_NAMES)
 
 
 def projection_types(reader: Any) -> dict[str, int]:

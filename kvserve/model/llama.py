@@ -24,6 +24,7 @@ from torch import nn
 from kvserve.model.blocks import RMSNorm, RopeFn, Rotary, param
 from kvserve.model.config import ModelConfig
 from kvserve.model.dense import Linear
+from kvserve.model.moe import MoE
 from kvserve.model.quant import (
     HEAD_DENSE_ROWS,
     HEAD_FLOAT_DENSE_ROWS,
@@ -54,10 +55,11 @@ class DecoderLayer(nn.Module):
     q/k norms, norms after the sublayers (`norm_after`: `post_norm` then normalises the
     attention's output, `ffn_norm` the MLP's) and residual multiplier."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device, moe: bool = False) -> None:
         super().__init__()
         kw: dict[str, Any] = {"dtype": dtype, "device": device}
         self.cfg = cfg
+        self.moe = MoE(cfg, **kw) if moe else None  # the experts replace the MLP's projections
         self.input_norm = None if cfg.norm_after else RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw) if cfg.norm_after else None
@@ -71,10 +73,11 @@ class DecoderLayer(nn.Module):
         self.qkv_bias = param(qkv_rows, **kw) if cfg.qkv_bias else None
         self.o_weight = param(cfg.hidden_size, cfg.q_size, **kw)
         self.o_bias = param(cfg.hidden_size, **kw) if cfg.o_bias else None
-        self.gate_up_weight = param(2 * cfg.intermediate_size, cfg.hidden_size, **kw)
-        self.gate_up_bias = param(2 * cfg.intermediate_size, **kw) if cfg.mlp_bias else None
-        self.down_weight = param(cfg.hidden_size, cfg.intermediate_size, **kw)
-        self.down_bias = param(cfg.hidden_size, **kw) if cfg.mlp_bias else None
+        inter = 0 if moe else cfg.intermediate_size
+        self.gate_up_weight = param(2 * inter, cfg.hidden_size, **kw)
+        self.gate_up_bias = param(2 * inter, **kw) if cfg.mlp_bias and not moe else None
+        self.down_weight = param(cfg.hidden_size, inter, **kw)
+        self.down_bias = param(cfg.hidden_size, **kw) if cfg.mlp_bias and not moe else None
         self.qkv = Linear(self.qkv_weight, self.qkv_bias)
         self.o = Linear(self.o_weight, self.o_bias)
         self.gate_up = Linear(self.gate_up_weight, self.gate_up_bias)
@@ -85,12 +88,22 @@ class DecoderLayer(nn.Module):
     def quantize(self, mode: str) -> None:
         """Swap the four projections for `mode`'s (`kvserve.model.quant`), each with a dense copy
         of its quantized weight for large batches; frees the float weights."""
-        for name in PROJECTIONS:
+        if self.moe is not None:
+            self.moe.quantize(mode)
+        for name in self.projections():
             weight = getattr(self, f"{name}_weight")
             lin = quantize(mode, weight, getattr(self, f"{name}_bias"), dense=True, groups=True)
             setattr(self, name, lin)
             if mode != "none" or getattr(lin, "packed", None) is not None:
                 weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
+
+    def projections(self) -> tuple[str, ...]:
+        """The names of the projections this layer holds (the experts hold the MLP's)."""
+        return PROJECTIONS[:2] if self.moe is not None else PROJECTIONS
+
+    def linears(self) -> list[Any]:
+        """Every projection of the layer, the experts' included."""
+        return [getattr(self, n) for n in self.projections()] + (self.moe.linears() if self.moe is not None else [])
 
     def forward(
         self, x: torch.Tensor, rope: RopeFn, layer: int, attend: AttendFn
@@ -110,6 +123,8 @@ class DecoderLayer(nn.Module):
         v = qkv[:, n_qk * cfg.head_dim :].view(t, cfg.num_kv_heads, cfg.head_dim)
         o = attend(layer, q, k, v)
         h = x + self._residual(self.o(o.reshape(t, cfg.q_size)), self.post_norm if cfg.norm_after else None)
+        if self.moe is not None:
+            return h + self._residual(self.moe(self.post_norm(h)), self.ffn_norm)
         gate_up = self.gate_up(h if cfg.norm_after else self.post_norm(h))
         if self.row_ops is not None and self.row_ops.rowwise(gate_up):  # the one-call layer's SiLU
             return h + self._residual(self.down(self.row_ops.silu_mul(gate_up)), self.ffn_norm)
@@ -142,7 +157,8 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         self.device = device
         self.embed = param(config.vocab_size, config.hidden_size, **kw)
-        self.layers = nn.ModuleList(DecoderLayer(config, **kw) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, **kw, moe=i in config.moe_layers)
+                                    for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
         self.lm_head = (
             self.embed
@@ -184,15 +200,17 @@ class LlamaForCausalLM(nn.Module):
         int4 = ops if hasattr(ops, "Int4Weight") else None
         int8 = ops if hasattr(ops, "Int8Weight") else None
         for layer in self.layers:
-            for name in PROJECTIONS:
-                lin = getattr(layer, name)
+            lins = layer.linears()
+            for lin in lins:
                 if isinstance(lin, Int4Linear):
                     lin.use_ops(int4)
                 elif isinstance(lin, Int8Linear):
                     lin.use_ops(int8)
             layer.fused = None
             layer.row_ops = ops if hasattr(ops, "silu_mul") else None
-            lins = [getattr(layer, name) for name in PROJECTIONS]
+            if layer.moe is not None:
+                layer.moe.row_ops = layer.row_ops
+                _one_kernel(layer.moe.router, batch_invariant)
             for lin in lins:
                 _one_kernel(lin, batch_invariant)
             if int4 is not None and hasattr(ops, "DecodeLayer") and self.config.plain_layer and all(
@@ -206,7 +224,7 @@ class LlamaForCausalLM(nn.Module):
                 except ValueError:  # a dtype or head shape the one-call layer does not take
                     layer.fused = None
         fused = all(layer.fused is not None for layer in self.layers)
-        self.fused_rows = min(getattr(layer, name).kernel_rows for layer in self.layers for name in PROJECTIONS) \
+        self.fused_rows = min(lin.kernel_rows for layer in self.layers for lin in layer.linears()) \
             if fused and self.layers else 0
 
     def quantize(self, mode: str) -> None:
@@ -275,6 +293,9 @@ class LlamaForCausalLM(nn.Module):
             slots[p + "self_attn.o_proj.weight"] = WeightSlot(layer.o_weight, 0, (h, q))
             if layer.o_bias is not None:
                 slots[p + "self_attn.o_proj.bias"] = WeightSlot(layer.o_bias, 0, (h,))
+            if layer.moe is not None:
+                slots.update(layer.moe.weight_slots(p + "mlp.", WeightSlot))
+                continue
             for name, start in (("gate_proj", 0), ("up_proj", inter)):
                 slots[p + f"mlp.{name}.weight"] = WeightSlot(
                     layer.gate_up_weight, start, (inter, h)

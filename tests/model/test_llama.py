@@ -2,7 +2,8 @@
 
 Each variant (tied/untied embeddings, GQA/MQA/MHA, Qwen2 qkv bias, Llama attention bias,
 llama3 and linear rope scaling, Mistral, Qwen3's per-head q/k norms, OLMo 2's norms after the
-sublayers and q/k norms over all heads, Granite's multipliers) is written to a temp dir by tinymodel.py and
+sublayers and q/k norms over all heads, Granite's multipliers, Qwen3-MoE's experts beside a
+dense layer and without renormalised weights) is written to a temp dir by tinymodel.py and
 loaded both by kvserve and by transformers; logits of a ragged batch through the paged KV
 cache and the torch attention backend must match transformers' per-prompt forward.
 """
@@ -41,6 +42,11 @@ VARIANTS = {
     "mistral-untied": {"family": "mistral", "tie": False},
     "qwen3-qk-norm": {"family": "qwen3", "tie": False},
     "olmo2-norms-after": {"family": "olmo2", "tie": False, "num_kv_heads": 4},
+    "qwen3-moe": {"family": "qwen3_moe", "extra": {"num_experts": 6, "num_experts_per_tok": 2,
+                                                   "moe_intermediate_size": 24, "mlp_only_layers": [0],
+                                                   "norm_topk_prob": True}},
+    "qwen3-moe-unnormalised": {"family": "qwen3_moe", "tie": False, "extra": {
+        "num_experts": 4, "num_experts_per_tok": 3, "moe_intermediate_size": 32, "norm_topk_prob": False}},
     "granite-multipliers": {"family": "granite", "extra": {
         "embedding_multiplier": 3.0, "residual_multiplier": 0.4, "attention_multiplier": 0.1, "logits_scaling": 2.5}},
 }

@@ -155,9 +155,10 @@ def test_a_sliding_window_caps_the_context(tmp_path: Path, family: str, extra: d
 
 def test_an_architecture_not_built_yet_says_what_it_needs(tiny: Path, tmp_path: Path) -> None:
     bad = _copy(tiny, tmp_path / "moe")
-    _edit_config(bad, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"])
-    with pytest.raises(ModelLoadError, match=r"'qwen3_moe' architectures=.* \(mixture-of-experts layers are not built "
-                                             r"yet\) \(supported model types: llama, mistral, qwen2, qwen3, olmo2, granite\)"):
+    _edit_config(bad, model_type="phi3", architectures=["Phi3ForCausalLM"])
+    with pytest.raises(ModelLoadError, match=r"'phi3' architectures=.* \(fused projections and partial rotary are not "
+                                             r"built yet\) \(supported model types: llama, mistral, qwen2, qwen3, "
+                                             r"qwen3_moe, olmo2, granite\)"):
         load_weights(bad)
 
 
@@ -218,6 +219,21 @@ GRANITE_SCALES = {"embedding_multiplier": "embedding_scale", "residual_multiplie
                   "attention_multiplier": "attention.scale", "logits_scaling": "logit_scale"}
 
 
+def _stacked_experts(tensors: dict) -> dict:
+    """The per-expert HF tensors of each layer as llama.cpp stores them: one 3-D tensor a
+    projection ([experts, rows, cols], `blk.N.ffn_{gate,up,down}_exps`)."""
+    out, experts = {}, {}
+    for name, t in tensors.items():
+        parts = name.split(".")
+        if ".mlp.experts." in name:
+            experts.setdefault((parts[2], parts[6]), {})[int(parts[5])] = t
+        else:
+            out[name] = t
+    for (layer, proj), by_e in experts.items():
+        out[f"blk.{layer}.ffn_{proj.removesuffix('_proj')}_exps.weight"] = torch.stack([by_e[e] for e in sorted(by_e)])
+    return out
+
+
 def write_gguf(
     hf_dir: Path, out: Path, *, arch: str, permute: bool, rope_freqs: np.ndarray | None = None
 ) -> Path:
@@ -240,10 +256,17 @@ def write_gguf(
     if arch == "granite":
         for hf_key, key in GRANITE_SCALES.items():
             w.add_float32(f"{arch}.{key}", cfg[hf_key])
+    if arch == "qwen3moe":
+        w.add_uint32(f"{arch}.expert_count", cfg["num_local_experts"])
+        w.add_uint32(f"{arch}.expert_used_count", cfg["num_experts_per_tok"])
+        w.add_uint32(f"{arch}.expert_feed_forward_length", cfg["moe_intermediate_size"])
+        tensors = _stacked_experts(tensors)
     names = _TO_GGUF_OLMO2 if arch == "olmo2" else _TO_GGUF
     for name, t in tensors.items():
         arr = t.numpy()
-        if name in ggufload._TOP_NAMES.values():
+        if name.startswith("blk."):
+            gname = name
+        elif name in ggufload._TOP_NAMES.values():
             gname = next(k for k, v in ggufload._TOP_NAMES.items() if v == name)
         else:
             parts = name.split(".")
@@ -272,11 +295,14 @@ def write_gguf(
         ("qwen3", "qwen3", False, False),  # llama.cpp's Qwen converters do not permute
         ("olmo2", "olmo2", False, False),
         ("granite", "granite", True, True),  # converted as Llama (permuted), with its scales
+        ("qwen3_moe", "qwen3moe", False, False),  # experts stacked per projection
     ],
 )
 def test_gguf_weights_equal_hf_weights(tmp_path: Path, family, arch, permute, tie) -> None:
-    extra = {"extra": {"embedding_multiplier": 3.0, "residual_multiplier": 0.4, "attention_multiplier": 0.1,
-                       "logits_scaling": 2.5}} if family == "granite" else {}
+    extra = {"granite": {"extra": {"embedding_multiplier": 3.0, "residual_multiplier": 0.4, "attention_multiplier": 0.1,
+                                   "logits_scaling": 2.5}},
+             "qwen3_moe": {"extra": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+                                     "norm_topk_prob": True}}}.get(family, {})
     hf_dir = write_tiny_model(tmp_path / "hf", family=family, tie=tie, **extra)
     path = write_gguf(hf_dir, tmp_path / "m.F32.gguf", arch=arch, permute=permute)
     from_gguf, from_hf = load_weights(path), load_weights(hf_dir)
@@ -284,7 +310,8 @@ def test_gguf_weights_equal_hf_weights(tmp_path: Path, family, arch, permute, ti
     assert from_gguf.config.qkv_bias == (family == "qwen2")
     assert from_gguf.config.family == family
     for field in ("qk_norm", "norm_after", "embedding_multiplier", "residual_multiplier", "attention_multiplier",
-                  "logits_scaling"):
+                  "logits_scaling", "num_experts", "experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                  "moe_layers"):
         assert getattr(from_gguf.config, field) == pytest.approx(getattr(from_hf.config, field)), field
     _same_params(from_gguf, from_hf)
     ids = torch.tensor([5, 17, 99, 3, 200])

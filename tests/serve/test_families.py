@@ -1,9 +1,10 @@
 """The newer families through a real `kvserve serve` (memsvc, runner, frontend), each a tiny random
 model written by transformers' own classes: Qwen3 (q/k norms per head), OLMo 2 (norms after the
-sublayers), Granite (its multipliers). On the float path (float32, no quantization) a greedy
+sublayers), Granite (its multipliers), Qwen3-MoE (experts beside a dense layer). On the float path (float32, no quantization) a greedy
 answer is, token for token, transformers' greedy continuation (teacher forcing: one forward over
 prompt + answer has each answer token as its argmax); on the default path (4-bit codes on the
-native kernels at serve's dtype) Qwen3's answer is the same int4 model's in this process."""
+native kernels at serve's dtype, the experts' too) Qwen3's and Qwen3-MoE's answers are the same
+int4 model's in this process."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ PROMPTS = [[5, 17, 99, 3, 200, 41, 7, 250, 12], list(range(30, 130, 3))]
 NEW = 12
 FAMILIES = {
     "qwen3": {"tie": False},
+    "qwen3_moe": {"extra": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                            "norm_topk_prob": True, "mlp_only_layers": [1]}},
     "olmo2": {"num_kv_heads": 4},
     "granite": {"extra": {"embedding_multiplier": 3.0, "residual_multiplier": 0.4, "attention_multiplier": 0.1,
                           "logits_scaling": 2.5}},
@@ -61,8 +64,9 @@ def test_a_family_served_float_is_transformers_greedy(tmp_path: Path, family: st
         assert got == logits[len(prompt) - 1 : -1].argmax(-1).tolist(), family
 
 
-def test_qwen3_on_the_default_path_is_the_int4_model(tmp_path: Path) -> None:
-    model = write_tiny_model(tmp_path / "model", family="qwen3", seed=4, **INT4_SHAPES, **FAMILIES["qwen3"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_qwen3_on_the_default_path_is_the_int4_model(tmp_path: Path, family: str) -> None:
+    model = write_tiny_model(tmp_path / "model", family=family, seed=4, **INT4_SHAPES, **FAMILIES[family])
     served, label = _served(model, tmp_path / "rt", *DEFAULT_PATH, dtype=None)
     assert label["quantization"] == "int4"
     dtype = getattr(torch, label["dtype"])
