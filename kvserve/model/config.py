@@ -13,7 +13,13 @@ from typing import Any
 
 import torch
 
-from kvserve.model.families import FAMILIES, GGUF_ARCHITECTURES, HF_MODEL_TYPES, not_yet
+from kvserve.model.families import (
+    FAMILIES,
+    GGUF_ARCHITECTURES,
+    HF_MODEL_TYPES,
+    QWEN_EXPERTS,
+    not_yet,
+)
 from kvserve.model.files import hf_context
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -61,6 +67,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     moe_layers: tuple[int, ...] = ()  # the layers whose MLP is the experts'
+    expert_names: tuple[str, ...] = QWEN_EXPERTS  # the family's (`kvserve.model.families`)
 
     @property
     def plain_layer(self) -> bool:
@@ -175,7 +182,7 @@ def config_from_hf(cfg: dict[str, Any], where: str) -> ModelConfig:
             qk_norm=traits.qk_norm,
             norm_after=traits.norm_after,
             **(_multipliers(cfg) if traits.scaled else {}),
-            **(_experts(cfg) if traits.moe else {}),
+            **(_experts(cfg, family) if traits.moe else {}),
             **_rope_fields(rope, where),
         )
     except (KeyError, TypeError, ValueError) as exc:
@@ -184,8 +191,9 @@ def config_from_hf(cfg: dict[str, Any], where: str) -> ModelConfig:
         raise ModelLoadError(f"{where}: missing or bad field {exc}") from None
 
 
-def _experts(cfg: dict[str, Any]) -> dict[str, Any]:
-    """A mixture-of-experts config.json's experts (Qwen3-MoE's keys)."""
+def _experts(cfg: dict[str, Any], family: str) -> dict[str, Any]:
+    """A mixture-of-experts config.json's experts (Qwen3-MoE's keys; Mixtral's experts are the
+    size of its `intermediate_size`, every layer has them, their weights are renormalised)."""
     n = int(cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"])  # transformers 5 writes the latter
     step = int(cfg.get("decoder_sparse_step") or 1)
     dense = {int(i) for i in cfg.get("mlp_only_layers") or ()}
@@ -193,8 +201,11 @@ def _experts(cfg: dict[str, Any]) -> dict[str, Any]:
     k = int(cfg["num_experts_per_tok"])
     if layers and not 0 < k <= n:
         raise ModelLoadError(f"num_experts_per_tok {k} must be in 1..num_experts ({n})")
-    return {"num_experts": n, "experts_per_tok": k, "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
-            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)), "moe_layers": layers}  # transformers' default
+    mixtral = family == "mixtral"
+    return {"num_experts": n, "experts_per_tok": k,
+            "moe_intermediate_size": int(cfg["intermediate_size" if mixtral else "moe_intermediate_size"]),
+            "norm_topk_prob": mixtral or bool(cfg.get("norm_topk_prob", False)),  # transformers' default
+            "moe_layers": layers, "expert_names": FAMILIES[family].expert_names}
 
 
 def _multipliers(cfg: dict[str, Any]) -> dict[str, float]:
@@ -265,8 +276,10 @@ def config_from_gguf(
             "attention_multiplier": float(fields.get(f"{arch}.attention.scale", 0.0)),
             "logits_scaling": float(fields.get(f"{arch}.logit_scale", 1.0))} if traits.scaled else {}),
         **({"num_experts": int(get("expert_count")), "experts_per_tok": int(get("expert_used_count")),
-            "moe_intermediate_size": int(get("expert_feed_forward_length")), "moe_layers": moe_layers,
+            "moe_intermediate_size": int(fields.get(f"{arch}.expert_feed_forward_length")
+                                         or get("feed_forward_length")),  # Mixtral's (as `llama`) is the latter
+            "moe_layers": moe_layers,
             "norm_topk_prob": bool(fields.get(f"{arch}.expert_weights_norm", True))}  # llama.cpp's qwen3moe: on
-           if traits.moe else {}),
+           if moe_layers else {}),
         **rope,
     )

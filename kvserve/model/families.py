@@ -9,7 +9,8 @@ SwiGLU MLP) with some of these changes, which the config carries to the layers:
   input is not (OLMo 2);
 - ``scaled``: Granite's four multipliers (embeddings, residual branches, attention scale, logits);
 - ``qkv_bias``: biases on the q/k/v projections only (Qwen2);
-- ``moe``: mixture-of-experts MLPs (`kvserve.model.moe`) in the layers the config names;
+- ``moe``: mixture-of-experts MLPs (`kvserve.model.moe`) in the layers the config names, their
+  tensors under ``expert_names`` (block, router, gate, up, down: Qwen3-MoE's, or Mixtral's);
 - ``permuted``: llama.cpp stores its Q/K rows permuted for the rotary (the Llama converters).
 
 Knows the families' names and traits; nothing about tensors or modules.
@@ -18,6 +19,8 @@ Knows the families' names and traits; nothing about tensors or modules.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+QWEN_EXPERTS = ("mlp", "gate", "gate_proj", "up_proj", "down_proj")  # also what kvserve's GGUF reader names them
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +33,7 @@ class Family:
     scaled: bool = False
     qkv_bias: bool = False
     moe: bool = False
+    expert_names: tuple[str, ...] = QWEN_EXPERTS
     permuted: bool = False
 
 
@@ -39,6 +43,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("qwen2", ("qwen2",), ("qwen2",), qkv_bias=True),
     Family("qwen3", ("qwen3",), ("qwen3",), qk_norm="head"),
     Family("qwen3_moe", ("qwen3_moe",), ("qwen3moe",), qk_norm="head", moe=True),
+    Family("mixtral", ("mixtral",), (), moe=True, expert_names=("block_sparse_moe", "gate", "w1", "w3", "w2"),
+           permuted=True),  # a GGUF of Mixtral is a `llama` with experts
     Family("olmo2", ("olmo2",), ("olmo2",), qk_norm="all", norm_after=True),
     Family("granite", ("granite",), ("granite",), scaled=True, permuted=True),
 )}
@@ -48,7 +54,7 @@ GGUF_ARCHITECTURES = {a: f.name for f in FAMILIES.values() for a in f.gguf_archi
 
 NOT_YET = {  # architectures people ask for that kvserve does not load yet, and what they need
     "gemma3_text": "sliding-window layers and Gemma's norms", "gemma3": "sliding-window layers and Gemma's norms",
-    "phi3": "fused projections and partial rotary", "mixtral": "Mixtral's expert weights",
+    "phi3": "fused projections and partial rotary",
 }
 
 

@@ -326,7 +326,7 @@ def hf_context(cfg: dict) -> int:
     attention is not built, and within the window full attention computes the same)."""
     n = int(cfg.get("max_position_embeddings", 4096))
     window = cfg.get("sliding_window")
-    if window and (cfg.get("model_type") == "mistral" or cfg.get("use_sliding_window")):
+    if window and (cfg.get("model_type") in ("mistral", "mixtral") or cfg.get("use_sliding_window")):
         n = min(n, int(window))
     return n
 

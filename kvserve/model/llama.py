@@ -294,7 +294,7 @@ class LlamaForCausalLM(nn.Module):
             if layer.o_bias is not None:
                 slots[p + "self_attn.o_proj.bias"] = WeightSlot(layer.o_bias, 0, (h,))
             if layer.moe is not None:
-                slots.update(layer.moe.weight_slots(p + "mlp.", WeightSlot))
+                slots.update(layer.moe.weight_slots(p, WeightSlot))
                 continue
             for name, start in (("gate_proj", 0), ("up_proj", inter)):
                 slots[p + f"mlp.{name}.weight"] = WeightSlot(

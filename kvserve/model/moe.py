@@ -1,4 +1,4 @@
-"""The mixture-of-experts MLP (Qwen3-MoE): a router scores every expert for each token, the
+"""The mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router scores every expert for each token, the
 `top_k` best are kept (their softmax weights renormalised where the model says so), and each
 token's output is the weighted sum of those experts' SwiGLU MLPs.
 
@@ -83,13 +83,15 @@ class MoE(nn.Module):
             out.index_add_(0, tokens, self.down[e](act) * weights[tokens, slot, None])
         return out
 
-    def weight_slots(self, prefix: str, slot: Any) -> dict[str, Any]:
-        """The HF checkpoint's names of this block's tensors (`prefix`: "model.layers.i.mlp.")."""
+    def weight_slots(self, layer: str, slot: Any) -> dict[str, Any]:
+        """The HF checkpoint's names of this block's tensors (`layer`: "model.layers.i."), as
+        the family names them (`ModelConfig.expert_names`)."""
         inter, hidden = self.cfg.moe_intermediate_size, self.cfg.hidden_size
-        slots = {prefix + "gate.weight": slot(self.router_weight, 0, tuple(self.router_weight.shape))}
+        block, router, gate, up, down = self.cfg.expert_names
+        slots = {f"{layer}{block}.{router}.weight": slot(self.router_weight, 0, tuple(self.router_weight.shape))}
         for e in range(self.cfg.num_experts):
-            p = f"{prefix}experts.{e}."
-            slots[p + "gate_proj.weight"] = slot(self.gate_up_weight, 2 * inter * e, (inter, hidden))
-            slots[p + "up_proj.weight"] = slot(self.gate_up_weight, 2 * inter * e + inter, (inter, hidden))
-            slots[p + "down_proj.weight"] = slot(self.down_weight, hidden * e, (hidden, inter))
+            p = f"{layer}{block}.experts.{e}."
+            slots[p + f"{gate}.weight"] = slot(self.gate_up_weight, 2 * inter * e, (inter, hidden))
+            slots[p + f"{up}.weight"] = slot(self.gate_up_weight, 2 * inter * e + inter, (inter, hidden))
+            slots[p + f"{down}.weight"] = slot(self.down_weight, hidden * e, (hidden, inter))
         return slots

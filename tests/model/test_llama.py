@@ -45,6 +45,7 @@ VARIANTS = {
     "qwen3-moe": {"family": "qwen3_moe", "extra": {"num_experts": 6, "num_experts_per_tok": 2,
                                                    "moe_intermediate_size": 24, "mlp_only_layers": [0],
                                                    "norm_topk_prob": True}},
+    "mixtral": {"family": "mixtral", "extra": {"num_local_experts": 4, "num_experts_per_tok": 2}},
     "qwen3-moe-unnormalised": {"family": "qwen3_moe", "tie": False, "extra": {
         "num_experts": 4, "num_experts_per_tok": 3, "moe_intermediate_size": 32, "norm_topk_prob": False}},
     "granite-multipliers": {"family": "granite", "extra": {

@@ -158,7 +158,7 @@ def test_an_architecture_not_built_yet_says_what_it_needs(tiny: Path, tmp_path: 
     _edit_config(bad, model_type="phi3", architectures=["Phi3ForCausalLM"])
     with pytest.raises(ModelLoadError, match=r"'phi3' architectures=.* \(fused projections and partial rotary are not "
                                              r"built yet\) \(supported model types: llama, mistral, qwen2, qwen3, "
-                                             r"qwen3_moe, olmo2, granite\)"):
+                                             r"qwen3_moe, mixtral, olmo2, granite\)"):
         load_weights(bad)
 
 
@@ -223,7 +223,11 @@ def _stacked_experts(tensors: dict) -> dict:
     """The per-expert HF tensors of each layer as llama.cpp stores them: one 3-D tensor a
     projection ([experts, rows, cols], `blk.N.ffn_{gate,up,down}_exps`)."""
     out, experts = {}, {}
+    mixtral = {"block_sparse_moe.gate.": "mlp.gate.", "block_sparse_moe.experts.": "mlp.experts.", ".w1.": ".gate_proj.",
+               ".w3.": ".up_proj.", ".w2.": ".down_proj."}
     for name, t in tensors.items():
+        for a, b in mixtral.items():
+            name = name.replace(a, b)
         parts = name.split(".")
         if ".mlp.experts." in name:
             experts.setdefault((parts[2], parts[6]), {})[int(parts[5])] = t
@@ -256,10 +260,11 @@ def write_gguf(
     if arch == "granite":
         for hf_key, key in GRANITE_SCALES.items():
             w.add_float32(f"{arch}.{key}", cfg[hf_key])
-    if arch == "qwen3moe":
+    if "num_local_experts" in cfg:  # Qwen3-MoE as qwen3moe, Mixtral as llama (its experts' size the FFN's)
         w.add_uint32(f"{arch}.expert_count", cfg["num_local_experts"])
         w.add_uint32(f"{arch}.expert_used_count", cfg["num_experts_per_tok"])
-        w.add_uint32(f"{arch}.expert_feed_forward_length", cfg["moe_intermediate_size"])
+        if "moe_intermediate_size" in cfg:
+            w.add_uint32(f"{arch}.expert_feed_forward_length", cfg["moe_intermediate_size"])
         tensors = _stacked_experts(tensors)
     names = _TO_GGUF_OLMO2 if arch == "olmo2" else _TO_GGUF
     for name, t in tensors.items():
@@ -296,19 +301,21 @@ def write_gguf(
         ("olmo2", "olmo2", False, False),
         ("granite", "granite", True, True),  # converted as Llama (permuted), with its scales
         ("qwen3_moe", "qwen3moe", False, False),  # experts stacked per projection
+        ("mixtral", "llama", True, False),  # llama.cpp writes Mixtral as a llama with experts
     ],
 )
 def test_gguf_weights_equal_hf_weights(tmp_path: Path, family, arch, permute, tie) -> None:
     extra = {"granite": {"extra": {"embedding_multiplier": 3.0, "residual_multiplier": 0.4, "attention_multiplier": 0.1,
                                    "logits_scaling": 2.5}},
              "qwen3_moe": {"extra": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
-                                     "norm_topk_prob": True}}}.get(family, {})
+                                     "norm_topk_prob": True}},
+             "mixtral": {"extra": {"num_local_experts": 4, "num_experts_per_tok": 2}}}.get(family, {})
     hf_dir = write_tiny_model(tmp_path / "hf", family=family, tie=tie, **extra)
     path = write_gguf(hf_dir, tmp_path / "m.F32.gguf", arch=arch, permute=permute)
     from_gguf, from_hf = load_weights(path), load_weights(hf_dir)
     assert from_gguf.config.tie_word_embeddings == tie
     assert from_gguf.config.qkv_bias == (family == "qwen2")
-    assert from_gguf.config.family == family
+    assert from_gguf.config.family == ("llama" if family == "mixtral" else family)
     for field in ("qk_norm", "norm_after", "embedding_multiplier", "residual_multiplier", "attention_multiplier",
                   "logits_scaling", "num_experts", "experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
                   "moe_layers"):
