@@ -41,16 +41,19 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """cos/sin tables [positions, head_dim // 2] computed once in float32, grown on demand."""
+    """cos/sin tables [positions, rotary dims // 2] computed once in float32, grown on demand;
+    where the rotary turns only the first dims of each head (`ModelConfig.rotary_dim`), the
+    rest pass unchanged (on torch's ops)."""
 
     def __init__(self, config: ModelConfig, *, device: torch.device) -> None:
         super().__init__()
+        self.head_dim, self.partial = config.head_dim, config.rot_dim < config.head_dim
         self.register_buffer("inv_freq", config.inv_freq().to(device), persistent=False)
         self.register_buffer(
-            "cos", torch.empty(0, config.head_dim // 2, device=device), persistent=False
+            "cos", torch.empty(0, config.rot_dim // 2, device=device), persistent=False
         )
         self.register_buffer(
-            "sin", torch.empty(0, config.head_dim // 2, device=device), persistent=False
+            "sin", torch.empty(0, config.rot_dim // 2, device=device), persistent=False
         )
         self._grow(min(config.max_position_embeddings, 8192))
 
@@ -79,6 +82,14 @@ class Rotary(nn.Module):
         contiguous rows, heads) -> the first `heads` heads rotated, [T, heads, D]. With
         `ops` (row ops, see `LlamaForCausalLM.use_row_ops`), one pass of its `rotary` (the
         same numbers)."""
+        if self.partial:
+            cos, sin = self.tables(positions, dtype)
+            rot, d = 2 * self.cos.shape[1], self.head_dim
+
+            def partial(x: torch.Tensor, heads: int) -> torch.Tensor:
+                x = x[:, : heads * d].reshape(x.shape[0], heads, d)
+                return torch.cat((apply_rotary(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
+            return partial
         if ops is not None:
             self._ensure(positions)
             pos = positions.to(torch.int64).contiguous()

@@ -68,12 +68,18 @@ class ModelConfig:
     norm_topk_prob: bool = True
     moe_layers: tuple[int, ...] = ()  # the layers whose MLP is the experts'
     expert_names: tuple[str, ...] = QWEN_EXPERTS  # the family's (`kvserve.model.families`)
+    fused_checkpoint: bool = False  # q/k/v and gate/up stored fused (Phi-3)
+    rotary_dim: int = 0  # the first dims of each head the rotary turns; 0: all of head_dim
+
+    @property
+    def rot_dim(self) -> int:
+        return self.rotary_dim or self.head_dim
 
     @property
     def plain_layer(self) -> bool:
         """The Llama layer exactly (what the one-call native decode layer computes)."""
         return (not self.qk_norm and not self.norm_after and self.residual_multiplier == 1.0
-                and self.embedding_multiplier == 1.0 and not self.moe_layers)
+                and self.embedding_multiplier == 1.0 and not self.moe_layers and self.rot_dim == self.head_dim)
 
     @property
     def sm_scale(self) -> float:
@@ -85,8 +91,9 @@ class ModelConfig:
                 f"num_attention_heads {self.num_heads} is not a multiple of "
                 f"num_key_value_heads {self.num_kv_heads}"
             )
-        if self.head_dim % 2:
-            raise ModelLoadError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+        if self.head_dim % 2 or self.rot_dim % 2 or not 0 < self.rot_dim <= self.head_dim:
+            raise ModelLoadError(f"head_dim {self.head_dim} and rotary dims {self.rot_dim} must be even, the "
+                                 "second at most the first")
         if self.rope_type not in ROPE_TYPES:
             raise ModelLoadError(
                 f"unsupported rope scaling type {self.rope_type!r} (supported: {', '.join(ROPE_TYPES)})"
@@ -102,7 +109,7 @@ class ModelConfig:
 
     def inv_freq(self) -> torch.Tensor:
         """Rotary inverse frequencies [head_dim // 2] in float32, as transformers computes them."""
-        d = self.head_dim
+        d = self.rot_dim
         exponents = torch.arange(0, d, 2, dtype=torch.int64).to(torch.float32) / d
         inv = 1.0 / (self.rope_theta**exponents)
         if self.rope_freq_factors is not None:
@@ -183,12 +190,20 @@ def config_from_hf(cfg: dict[str, Any], where: str) -> ModelConfig:
             norm_after=traits.norm_after,
             **(_multipliers(cfg) if traits.scaled else {}),
             **(_experts(cfg, family) if traits.moe else {}),
+            **({"fused_checkpoint": True, "rotary_dim": _rotary_dim(cfg, rope, hidden // n_heads)} if traits.fused else {}),
             **_rope_fields(rope, where),
         )
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, ModelLoadError):
             raise
         raise ModelLoadError(f"{where}: missing or bad field {exc}") from None
+
+
+def _rotary_dim(cfg: dict[str, Any], rope: dict[str, Any] | None, default_head: int) -> int:
+    """The dims of each head the rotary turns (Phi-3's `partial_rotary_factor`, at the top of
+    config.json or, as transformers 5 writes it, in `rope_parameters`)."""
+    factor = cfg.get("partial_rotary_factor") or (rope or {}).get("partial_rotary_factor") or 1.0
+    return int(int(cfg.get("head_dim") or default_head) * float(factor))
 
 
 def _experts(cfg: dict[str, Any], family: str) -> dict[str, Any]:

@@ -11,6 +11,8 @@ SwiGLU MLP) with some of these changes, which the config carries to the layers:
 - ``qkv_bias``: biases on the q/k/v projections only (Qwen2);
 - ``moe``: mixture-of-experts MLPs (`kvserve.model.moe`) in the layers the config names, their
   tensors under ``expert_names`` (block, router, gate, up, down: Qwen3-MoE's, or Mixtral's);
+- ``fused``: the checkpoint holds q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj` (Phi-3),
+  and the rotary may turn only part of each head (`partial_rotary_factor`);
 - ``permuted``: llama.cpp stores its Q/K rows permuted for the rotary (the Llama converters).
 
 Knows the families' names and traits; nothing about tensors or modules.
@@ -34,6 +36,7 @@ class Family:
     qkv_bias: bool = False
     moe: bool = False
     expert_names: tuple[str, ...] = QWEN_EXPERTS
+    fused: bool = False
     permuted: bool = False
 
 
@@ -45,6 +48,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("qwen3_moe", ("qwen3_moe",), ("qwen3moe",), qk_norm="head", moe=True),
     Family("mixtral", ("mixtral",), (), moe=True, expert_names=("block_sparse_moe", "gate", "w1", "w3", "w2"),
            permuted=True),  # a GGUF of Mixtral is a `llama` with experts
+    Family("phi3", ("phi3",), (), fused=True),  # llama.cpp's phi3 GGUF layout is not read
     Family("olmo2", ("olmo2",), ("olmo2",), qk_norm="all", norm_after=True),
     Family("granite", ("granite",), ("granite",), scaled=True, permuted=True),
 )}
@@ -54,7 +58,6 @@ GGUF_ARCHITECTURES = {a: f.name for f in FAMILIES.values() for a in f.gguf_archi
 
 NOT_YET = {  # architectures people ask for that kvserve does not load yet, and what they need
     "gemma3_text": "sliding-window layers and Gemma's norms", "gemma3": "sliding-window layers and Gemma's norms",
-    "phi3": "fused projections and partial rotary",
 }
 
 

@@ -322,11 +322,12 @@ def model_name(path: Path) -> str:
 
 def hf_context(cfg: dict) -> int:
     """The longest context served for a HF config.json: the model's, capped at its sliding
-    window where it has one (Mistral's, or any with `use_sliding_window`: sliding-window
-    attention is not built, and within the window full attention computes the same)."""
+    window where it has one (`sliding_window` set, unless `use_sliding_window` is false, as
+    Qwen's configs say: sliding-window attention is not built, and within the window full
+    attention computes the same)."""
     n = int(cfg.get("max_position_embeddings", 4096))
     window = cfg.get("sliding_window")
-    if window and (cfg.get("model_type") in ("mistral", "mixtral") or cfg.get("use_sliding_window")):
+    if window and cfg.get("use_sliding_window", True):
         n = min(n, int(window))
     return n
 

@@ -284,7 +284,8 @@ class LlamaForCausalLM(nn.Module):
             for norm, name in ((layer.q_norm, "q_norm"), (layer.k_norm, "k_norm")):
                 if norm is not None:
                     slots[p + f"self_attn.{name}.weight"] = WeightSlot(norm.weight, 0, tuple(norm.weight.shape))
-            for name, start, rows in (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)):
+            fused = (("qkv_proj", 0, q + 2 * kv),) if cfg.fused_checkpoint else ()  # Phi-3's
+            for name, start, rows in fused or (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)):
                 slots[p + f"self_attn.{name}.weight"] = WeightSlot(
                     layer.qkv_weight, start, (rows, h)
                 )
@@ -296,12 +297,11 @@ class LlamaForCausalLM(nn.Module):
             if layer.moe is not None:
                 slots.update(layer.moe.weight_slots(p, WeightSlot))
                 continue
-            for name, start in (("gate_proj", 0), ("up_proj", inter)):
-                slots[p + f"mlp.{name}.weight"] = WeightSlot(
-                    layer.gate_up_weight, start, (inter, h)
-                )
+            for name, start, rows in (("gate_up_proj", 0, 2 * inter),) if cfg.fused_checkpoint else (
+                    ("gate_proj", 0, inter), ("up_proj", inter, inter)):
+                slots[p + f"mlp.{name}.weight"] = WeightSlot(layer.gate_up_weight, start, (rows, h))
                 if layer.gate_up_bias is not None:
-                    slots[p + f"mlp.{name}.bias"] = WeightSlot(layer.gate_up_bias, start, (inter,))
+                    slots[p + f"mlp.{name}.bias"] = WeightSlot(layer.gate_up_bias, start, (rows,))
             slots[p + "mlp.down_proj.weight"] = WeightSlot(layer.down_weight, 0, (h, inter))
             if layer.down_bias is not None:
                 slots[p + "mlp.down_proj.bias"] = WeightSlot(layer.down_bias, 0, (h,))

@@ -3,7 +3,7 @@
 Each variant (tied/untied embeddings, GQA/MQA/MHA, Qwen2 qkv bias, Llama attention bias,
 llama3 and linear rope scaling, Mistral, Qwen3's per-head q/k norms, OLMo 2's norms after the
 sublayers and q/k norms over all heads, Granite's multipliers, Qwen3-MoE's experts beside a
-dense layer and without renormalised weights) is written to a temp dir by tinymodel.py and
+dense layer and without renormalised weights, Mixtral, Phi-3's fused projections and partial rotary) is written to a temp dir by tinymodel.py and
 loaded both by kvserve and by transformers; logits of a ragged batch through the paged KV
 cache and the torch attention backend must match transformers' per-prompt forward.
 """
@@ -45,6 +45,8 @@ VARIANTS = {
     "qwen3-moe": {"family": "qwen3_moe", "extra": {"num_experts": 6, "num_experts_per_tok": 2,
                                                    "moe_intermediate_size": 24, "mlp_only_layers": [0],
                                                    "norm_topk_prob": True}},
+    "phi3-fused": {"family": "phi3", "tie": False},
+    "phi3-partial-rotary": {"family": "phi3", "extra": {"partial_rotary_factor": 0.5}},
     "mixtral": {"family": "mixtral", "extra": {"num_local_experts": 4, "num_experts_per_tok": 2}},
     "qwen3-moe-unnormalised": {"family": "qwen3_moe", "tie": False, "extra": {
         "num_experts": 4, "num_experts_per_tok": 3, "moe_intermediate_size": 32, "norm_topk_prob": False}},

@@ -141,7 +141,7 @@ def test_unsupported_architecture(tiny: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize(("family", "extra", "context"), [
     ("mistral", {"sliding_window": 64}, 64), ("mistral", {"sliding_window": None}, 512),
     ("qwen3", {"sliding_window": 64, "use_sliding_window": False}, 512),
-    ("qwen3", {"sliding_window": 64, "use_sliding_window": True}, 64)])
+    ("qwen3", {"sliding_window": 64, "use_sliding_window": True}, 64), ("phi3", {"sliding_window": 100}, 100)])
 def test_a_sliding_window_caps_the_context(tmp_path: Path, family: str, extra: dict, context: int) -> None:
     from kvserve.model.files import kv_shape
     from kvserve.model.tokenizer import load_model_tokenizer
@@ -154,11 +154,11 @@ def test_a_sliding_window_caps_the_context(tmp_path: Path, family: str, extra: d
 
 
 def test_an_architecture_not_built_yet_says_what_it_needs(tiny: Path, tmp_path: Path) -> None:
-    bad = _copy(tiny, tmp_path / "moe")
-    _edit_config(bad, model_type="phi3", architectures=["Phi3ForCausalLM"])
-    with pytest.raises(ModelLoadError, match=r"'phi3' architectures=.* \(fused projections and partial rotary are not "
-                                             r"built yet\) \(supported model types: llama, mistral, qwen2, qwen3, "
-                                             r"qwen3_moe, mixtral, olmo2, granite\)"):
+    bad = _copy(tiny, tmp_path / "gemma")
+    _edit_config(bad, model_type="gemma3_text", architectures=["Gemma3ForCausalLM"])
+    with pytest.raises(ModelLoadError, match=r"'gemma3_text' architectures=.* \(sliding-window layers and Gemma's norms "
+                                             r"are not built yet\) \(supported model types: llama, mistral, qwen2, "
+                                             r"qwen3, qwen3_moe, mixtral, phi3, olmo2, granite\)"):
         load_weights(bad)
 
 

@@ -1,6 +1,7 @@
 """The newer families through a real `kvserve serve` (memsvc, runner, frontend), each a tiny random
 model written by transformers' own classes: Qwen3 (q/k norms per head), OLMo 2 (norms after the
-sublayers), Granite (its multipliers), Qwen3-MoE (experts beside a dense layer). On the float path (float32, no quantization) a greedy
+sublayers), Granite (its multipliers), Qwen3-MoE (experts beside a dense layer), Phi-3 (fused
+projections, partial rotary). On the float path (float32, no quantization) a greedy
 answer is, token for token, transformers' greedy continuation (teacher forcing: one forward over
 prompt + answer has each answer token as its argmax); on the default path (4-bit codes on the
 native kernels at serve's dtype, the experts' too) Qwen3's and Qwen3-MoE's answers are the same
@@ -30,6 +31,7 @@ FAMILIES = {
     "qwen3_moe": {"extra": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
                             "norm_topk_prob": True, "mlp_only_layers": [1]}},
     "olmo2": {"num_kv_heads": 4},
+    "phi3": {"extra": {"partial_rotary_factor": 0.5}},
     "granite": {"extra": {"embedding_multiplier": 3.0, "residual_multiplier": 0.4, "attention_multiplier": 0.1,
                           "logits_scaling": 2.5}},
 }
