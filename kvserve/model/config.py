@@ -20,7 +20,7 @@ from kvserve.model.families import (
     QWEN_EXPERTS,
     not_yet,
 )
-from kvserve.model.files import hf_context
+from kvserve.model.files import gguf_context, hf_context
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -179,7 +179,7 @@ def config_from_hf(cfg: dict[str, Any], where: str) -> ModelConfig:
             num_heads=n_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
             head_dim=int(cfg.get("head_dim") or hidden // n_heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5 if family == "olmo2" else 1e-6)),  # transformers' defaults
             rope_theta=float(theta),
             max_position_embeddings=hf_context(cfg),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -227,7 +227,7 @@ def _multipliers(cfg: dict[str, Any]) -> dict[str, float]:
     """Granite's multipliers from its config.json."""
     return {"embedding_multiplier": float(cfg.get("embedding_multiplier", 1.0)),
             "residual_multiplier": float(cfg.get("residual_multiplier", 1.0)),
-            "attention_multiplier": float(cfg.get("attention_multiplier", 0.0)),
+            "attention_multiplier": float(cfg.get("attention_multiplier", 1.0)),  # transformers' default
             "logits_scaling": float(cfg.get("logits_scaling", 1.0))}
 
 
@@ -237,6 +237,8 @@ def config_from_gguf(
     *,
     has_output: bool,
     has_qkv_bias: bool,
+    has_o_bias: bool = False,
+    has_mlp_bias: bool = False,
     rope_freq_factors: tuple[float, ...] | None,
     n_tokens: int | None = None,
     moe_layers: tuple[int, ...] = (),
@@ -280,9 +282,11 @@ def config_from_gguf(
         head_dim=int(fields.get(f"{arch}.attention.key_length") or hidden // n_heads),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
-        max_position_embeddings=int(get("context_length", 4096)),
+        max_position_embeddings=gguf_context(fields, str(arch)),
         tie_word_embeddings=not has_output,
         qkv_bias=has_qkv_bias,
+        o_bias=has_o_bias,
+        mlp_bias=has_mlp_bias,
         rope_freq_factors=rope_freq_factors,
         qk_norm=traits.qk_norm,
         norm_after=traits.norm_after,

@@ -332,6 +332,14 @@ def hf_context(cfg: dict) -> int:
     return n
 
 
+def gguf_context(fields: dict, arch: str) -> int:
+    """`hf_context` for GGUF metadata: `{arch}.context_length`, capped at a sliding window
+    (llama.cpp writes OLMo 3 as an `olmo2` with `attention.sliding_window`)."""
+    n = int(fields.get(f"{arch}.context_length", 4096))
+    window = fields.get(f"{arch}.attention.sliding_window")
+    return min(n, int(window)) if window else n
+
+
 def kv_shape(path: Path) -> KVShape:
     """Read the KV shape of the model at `path` (a .gguf file or a HF directory)."""
     if path.is_dir():
@@ -362,7 +370,7 @@ def kv_shape(path: Path) -> KVShape:
             n_layers=int(fields[f"{arch}.block_count"]),
             n_kv_heads=int(fields.get(f"{arch}.attention.head_count_kv") or n_heads),
             head_dim=head_dim,
-            max_position=int(fields.get(f"{arch}.context_length", 4096)),
+            max_position=gguf_context(fields, arch),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelFileError(f"model {path}: GGUF metadata missing {exc}") from None

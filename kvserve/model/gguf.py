@@ -89,6 +89,8 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
         str(path),
         has_output="output.weight" in names,
         has_qkv_bias="blk.0.attn_q.bias" in names,
+        has_o_bias="blk.0.attn_output.bias" in names,
+        has_mlp_bias="blk.0.ffn_up.bias" in names or "blk.0.ffn_down.bias" in names,
         rope_freq_factors=factors,
         n_tokens=fields.get("tokenizer.ggml.tokens#len"),
         moe_layers=tuple(sorted(int(n.split(".")[1]) for n in names if n.endswith(".ffn_gate_inp.weight"))),
@@ -123,6 +125,9 @@ def iter_tensors(
                 hf = f"model.layers.{m.group(1)}.mlp.experts.{e}.{_EXPERT_NAMES[m.group(2)]}.{m.group(3)}"
                 yield hf, torch.from_numpy(np.array(experts[e], dtype=np.float32, order="C"))
             continue
+        if name is None and m is not None and m.group(2) != "attn_rot_embd":  # (llama.cpp's old rotary cache)
+            raise ModelLoadError(f"model {path}: tensor {t.name}: a layer tensor kvserve does not know ({m.group(2)}); "
+                                 "it would be left out")
         if name is None:
             continue
         arr = _checked_dequantize(t, path)

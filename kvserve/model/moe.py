@@ -21,7 +21,7 @@ from torch import nn
 
 from kvserve.model.blocks import param
 from kvserve.model.config import ModelConfig
-from kvserve.model.dense import Linear
+from kvserve.model.dense import Linear, pack
 from kvserve.model.quant import quantize
 
 
@@ -55,14 +55,28 @@ class MoE(nn.Module):
         return [*self.gate_up, *self.down]
 
     def quantize(self, mode: str) -> None:
-        """The experts' projections in `mode` (`kvserve.model.quant`); the router stays float."""
-        self.gate_up = [quantize(mode, self._gate_up(e), None, dense=True, groups=True)
-                        for e in range(self.cfg.num_experts)]
-        self.down = [quantize(mode, self._down(e), None, dense=True, groups=True) for e in range(self.cfg.num_experts)]
+        """The experts' projections in `mode` (`kvserve.model.quant`); the router stays float.
+        The flat float weights are freed where every expert holds its own form (weight-only
+        codes, or oneDNN's packed copy). Experts of one shape share one lone-row probe
+        (`dense.lone_row_differs`: the weight's shape decides it), not one each."""
+        self.gate_up = self._experts(mode, self._gate_up)
+        self.down = self._experts(mode, self._down)
         self.router = quantize("none", self.router_weight, None, dense=True)
-        if mode != "none":
+        if all(not isinstance(lin, Linear) or lin.packed is not None for lin in self.linears()):
+            for lin in self.linears():
+                if isinstance(lin, Linear):
+                    lin.weight = None  # its packed copy serves; the view would keep the flat weight alive
             for weight in (self.gate_up_weight, self.down_weight):
                 weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
+
+    def _experts(self, mode: str, weight_of: Any) -> list[Any]:
+        if mode != "none":
+            return [quantize(mode, weight_of(e), None, dense=True, groups=True) for e in range(self.cfg.num_experts)]
+        first = quantize("none", weight_of(0), None, dense=True)
+        rest = [Linear(weight_of(e), None, pack(weight_of(e)), lone_rows=False) for e in range(1, self.cfg.num_experts)]
+        for lin in rest:
+            lin.lone_as_pair = first.lone_as_pair
+        return [first, *rest]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg

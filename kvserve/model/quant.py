@@ -325,16 +325,18 @@ def auto_mode(weight_types: dict[str, int], device: str) -> str:
 
 def supports(mode: str, weight: torch.Tensor) -> bool:
     """Whether `weight` [N, K] can take `mode` (int4 needs K a multiple of the group and of the
-    packing's tile)."""
+    packing's tile; int8 K a multiple of 16: torch's int8 kernel gives NaN, garbage or a crash
+    at others, K 24, 40, 56)."""
+    k = weight.shape[1]
     if mode == "int4":
-        k = weight.shape[1]
         return k % GROUP == 0 and k % (16 * _INNER_K_TILES) == 0
-    return True
+    return k % 16 == 0 if mode == "int8" else True
 
 
 def quantize(mode: str, weight: torch.Tensor, bias: torch.Tensor | None, *,
              dense: bool = False, groups: bool = False) -> Linear | _WeightOnly:
-    """The `Linear` for `weight` in `mode` (a weight int4 cannot take falls back to int8);
+    """The `Linear` for `weight` in `mode` (a weight int4 cannot take falls back to int8, one
+    int8 cannot take stays float);
     `dense`: keep a copy of the quantized weight in `weight`'s dtype for large batches;
     `groups`: an int8 weight also keeps its groups of 32 for a native kernel
     (`Int8Linear.use_ops`)."""
@@ -346,7 +348,7 @@ def quantize(mode: str, weight: torch.Tensor, bias: torch.Tensor | None, *,
     if mode == "int4" and supports(mode, weight):
         lin = Int4Linear(weight, bias)
         grid = int4_dequantized(weight, scale_dtype=ACT) if dense else None
-    elif mode in ("int4", "int8"):
+    elif mode in ("int4", "int8") and supports("int8", weight):
         lin = Int8Linear(weight, bias, groups=groups)
         grid = lin.dequantized() if dense else None
     else:

@@ -27,6 +27,7 @@ from kvserve.model import tokenizer_cache
 from kvserve.model.chat_template import ChatTemplate, ChatTemplateError
 from kvserve.model.files import (
     ModelFileError,
+    gguf_context,
     gguf_eos_ids,
     gguf_fields,
     hf_context,
@@ -270,7 +271,7 @@ def _from_gguf(path: Path) -> ModelTokenizer:
         template = _dir_chat_template(directory, config)
     return ModelTokenizer(
         backend, name=model_name(path), vocab_size=int(vocab_size), eos_token_ids=eos,
-        max_context_len=int(fields.get(f"{arch}.context_length", 4096)),
+        max_context_len=gguf_context(fields, arch),
         chat=_compile(template, specials, path),
         cleanup=bool(config.get("clean_up_tokenization_spaces", False)),
     )

@@ -35,3 +35,35 @@ def test_a_request_gets_the_same_logits_whatever_experts_the_others_pick(tmp_pat
     together = kv.forward(model, backend, prompts, rows=list(range(len(prompts))), prefix_lens=[0] * len(prompts),
                           all_logits=True, invariant=True)
     assert torch.equal(together, torch.cat(alone))
+
+
+def test_bf16_experts_without_quantization_keep_one_copy_and_one_probe(tmp_path, monkeypatch) -> None:
+    from kvserve.model import dense
+
+    probes = []
+    real = dense.lone_row_differs
+    monkeypatch.setattr(dense, "lone_row_differs", lambda packed: probes.append(packed.shape) or real(packed))
+    path = write_tiny_model(tmp_path / "m", family="qwen3_moe", hidden_size=64, intermediate_size=128, extra=MOE)
+    f32 = load_model(str(path), dtype=torch.float32, quantization="none").model
+    bf16 = load_model(str(path), dtype=torch.bfloat16, quantization="none").model
+    for layer in bf16.layers:
+        packed = all(lin.packed is not None for lin in layer.moe.linears())
+        assert (layer.moe.gate_up_weight.numel() == 0) == packed  # freed exactly where the packed copies serve
+    if any(layer.moe.linears()[0].packed is not None for layer in bf16.layers):
+        # per layer q/k/v, o, the router and one per expert shape (not one per expert: 16 here); the head
+        assert len(probes) == 5 * len(bf16.layers) + 1
+    ids = torch.tensor([5, 17, 99, 3, 200, 41])
+    attend = _causal(bf16.config)
+    got = bf16.forward_tokens(ids, torch.arange(6), attend, torch.tensor([5]))
+    want = f32.forward_tokens(ids, torch.arange(6), attend, torch.tensor([5]))
+    assert ((got - want).norm() / want.norm()).item() < 0.05
+
+
+def _causal(cfg):
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        rep = cfg.num_heads // cfg.num_kv_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=cfg.sm_scale)
+        return o.transpose(0, 1)
+    return attend

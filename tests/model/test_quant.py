@@ -257,3 +257,16 @@ def test_a_load_resolves_auto_and_parses_the_gguf_header_once(monkeypatch) -> No
     assert loaded.quantization == "int4"
     assert isinstance(loaded.model.layers[0].gate_up, Int4Linear)
     assert len(opened) == 1
+
+
+@pytest.mark.parametrize(("k", "kind"), [(24, Linear), (40, Linear), (56, Linear), (48, Int8Linear)])
+def test_a_weight_int8_cannot_take_stays_float(k: int, kind: type) -> None:
+    # torch's int8 kernel gives NaN, garbage or a crash where K is not a multiple of 16
+    weight = torch.randn(32, k, generator=torch.Generator().manual_seed(k))
+    for mode in ("int8", "int4"):
+        lin = quantize(mode, weight, None)
+        assert isinstance(lin, kind), (mode, k)
+        x = torch.randn(3, k, generator=torch.Generator().manual_seed(1))
+        got = lin(x)
+        assert bool(torch.isfinite(got).all())
+        assert ((got - x @ weight.T).norm() / (x @ weight.T).norm()).item() < 0.02

@@ -239,7 +239,8 @@ def _stacked_experts(tensors: dict) -> dict:
 
 
 def write_gguf(
-    hf_dir: Path, out: Path, *, arch: str, permute: bool, rope_freqs: np.ndarray | None = None
+    hf_dir: Path, out: Path, *, arch: str, permute: bool, rope_freqs: np.ndarray | None = None,
+    metadata: dict | None = None, more: dict | None = None,
 ) -> Path:
     """Convert a tiny HF directory to an F32 GGUF the way llama.cpp lays it out."""
     import gguf
@@ -266,6 +267,10 @@ def write_gguf(
         if "moe_intermediate_size" in cfg:
             w.add_uint32(f"{arch}.expert_feed_forward_length", cfg["moe_intermediate_size"])
         tensors = _stacked_experts(tensors)
+    for key, value in (metadata or {}).items():
+        w.add_uint32(f"{arch}.{key}", value)
+    for gname, arr in (more or {}).items():
+        w.add_tensor(gname, arr)
     names = _TO_GGUF_OLMO2 if arch == "olmo2" else _TO_GGUF
     for name, t in tensors.items():
         arr = t.numpy()
@@ -325,6 +330,35 @@ def test_gguf_weights_equal_hf_weights(tmp_path: Path, family, arch, permute, ti
     same = [m.forward_tokens(ids, torch.arange(5), _dense_attention(m.config), torch.tensor([4]))
             for m in (from_gguf, from_hf)]
     torch.testing.assert_close(same[0], same[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("family", "arch", "permute", "biases"), [
+    ("qwen3", "qwen3", False, {"attention_bias": True}), ("olmo2", "olmo2", False, {"attention_bias": True}),
+    ("granite", "granite", True, {"attention_bias": True, "mlp_bias": True})])
+def test_gguf_biases_load(tmp_path: Path, family: str, arch: str, permute: bool, biases: dict) -> None:
+    hf_dir = write_tiny_model(tmp_path / "hf", family=family, extra=biases)
+    path = write_gguf(hf_dir, tmp_path / "m.gguf", arch=arch, permute=permute)
+    from_gguf, from_hf = load_weights(path), load_weights(hf_dir)
+    assert (from_gguf.config.o_bias, from_gguf.config.mlp_bias) == (from_hf.config.o_bias, from_hf.config.mlp_bias)
+    _same_params(from_gguf, from_hf)
+
+
+def test_a_gguf_layer_tensor_kvserve_does_not_know_is_refused_by_name(tmp_path: Path) -> None:
+    hf_dir = write_tiny_model(tmp_path / "hf", family="qwen3")
+    path = write_gguf(hf_dir, tmp_path / "m.gguf", arch="qwen3", permute=False,
+                      more={"blk.0.ffn_gate_shexp.weight": np.zeros((8, 48), dtype=np.float32)})
+    with pytest.raises(ModelLoadError, match=r"tensor blk\.0\.ffn_gate_shexp\.weight: a layer tensor kvserve does not know"):
+        load_weights(path)
+
+
+def test_a_gguf_sliding_window_caps_the_context(tmp_path: Path) -> None:
+    from kvserve.model.files import kv_shape
+
+    hf_dir = write_tiny_model(tmp_path / "hf", family="olmo2")  # llama.cpp writes OLMo 3 so, with its window
+    path = write_gguf(hf_dir, tmp_path / "m.gguf", arch="olmo2", permute=False,
+                      metadata={"attention.sliding_window": 64})
+    assert load_config(str(path)).max_position_embeddings == 64
+    assert kv_shape(path).max_position == 64
 
 
 def test_gguf_rope_freqs_tensor_gives_llama3_frequencies(tmp_path: Path) -> None:
