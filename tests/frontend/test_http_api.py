@@ -253,6 +253,7 @@ def test_n_takes_its_seats_at_admission_and_abort_stops_every_choice(api: Fronte
                            headers={"X-Request-Id": "two"}) as held:
             assert held.status_code == 200
             assert r.wait_for(lambda: len(r.generate_reqs()) == 1)  # choice 1 waits for choice 0's first token
+            assert _metric(api, "kvserve_num_requests_waiting") == 1
             over = client.post("/v1/completions", json={"prompt": "q", "n": 3})  # 2 seats taken, 2 left
             assert over.status_code == 429 and "waiting queue is full" in over.json()["error"]["message"]
             never = client.post("/v1/completions", json={"prompt": "q", "n": 5})
@@ -268,9 +269,11 @@ def test_n_takes_its_seats_at_admission_and_abort_stops_every_choice(api: Fronte
             assert running.status_code == 200
             lines = running.iter_lines()
             assert _choices_until(lines, lambda s: len(s) == 2)  # both choices stream
+            assert (_metric(api, "kvserve_num_requests_running"), _metric(api, "kvserve_num_requests_waiting")) == (2, 0)
             assert api.stub.Abort(pb.AbortRequest(request_id="run"), timeout=5).aborted
             assert {i: v[-1] for i, v in _choices_until(lines, aborted).items()} == {0: "abort", 1: "abort"}
     assert r.wait_for(lambda: len(r.aborts()) == 3)  # two's choice 0 (choice 1 never ran), run's two
+    assert (_metric(api, "kvserve_num_requests_running"), _metric(api, "kvserve_num_requests_waiting")) == (0, 0)
     with pytest.raises(grpc.RpcError) as err:
         next(iter(api.stub.Generate(pb.GenerateRequest(request_id="a\x1f1", text="hi"), timeout=5)))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

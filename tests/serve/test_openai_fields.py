@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -151,15 +152,29 @@ def test_free_request_beside_constrained_keeps_its_tokens(svc: Service) -> None:
     free = {"prompt": "The free one runs beside the others", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
     alone = _text(_post(svc, "/v1/completions", free))[0]
     results: list[str] = []
-    constrained = [threading.Thread(target=lambda s=s: _post(svc, "/v1/completions", {
-        "prompt": f"data {s}:", "structured_outputs": {"json": SCHEMAS["nested"]}, "temperature": 1.0, "seed": s}))
-        for s in range(4)]
+    outputs: dict[int, tuple[str, float, float]] = {}  # seed -> (text, start, end)
+    free_span: list[float] = []
+
+    def constrained_one(s: int) -> None:
+        start = time.monotonic()
+        text = _text(_post(svc, "/v1/completions", {
+            "prompt": f"data {s}:", "structured_outputs": {"json": SCHEMAS["nested"]}, "temperature": 1.0,
+            "seed": s}))[0]
+        outputs[s] = (text, start, time.monotonic())
+
+    constrained = [threading.Thread(target=constrained_one, args=(s,)) for s in range(4)]
     for t in constrained:
         t.start()
+    free_span.append(time.monotonic())
     results.append(_text(_post(svc, "/v1/completions", free))[0])
+    free_span.append(time.monotonic())
     for t in constrained:
         t.join()
     assert results == [alone]
+    for text, _, _ in outputs.values():  # the constrained ones are what they asked for
+        jsonschema.validate(json.loads(text), SCHEMAS["nested"])
+    # and they ran while the free one did (else the check above proved nothing)
+    assert any(a < free_span[1] and b > free_span[0] for _, a, b in outputs.values())
 
 
 def _ids(svc: Service, sampling: pb.SamplingParams) -> list[int]:
@@ -214,11 +229,12 @@ def test_n_choices_share_the_prompt(svc: Service, stream: bool) -> None:
     assert reasons == ["length"] * n
     assert usage["prompt_tokens"] == prompt_tokens and usage["completion_tokens"] == n * max_tokens
     assert len(set(texts)) == n  # seeded choices differ from one another
+    # the other three found the prompt's whole blocks in the prefix cache (blocks of 16), read
+    # before the n = 1 request below adds its own hit
+    assert _cached_total(svc) - before >= (n - 1) * (prompt_tokens // 16 * 16 - 16)
     # choice 0 alone with the same seed is what an n = 1 request draws
     single = _text(_post(svc, "/v1/completions", {**body, "n": 1, "stream": False}))[0]
     assert single == texts[0]
-    # the other three found the prompt's whole blocks in the prefix cache (blocks of 16)
-    assert _cached_total(svc) - before >= (n - 1) * (prompt_tokens // 16 * 16 - 16)
 
 
 def test_n_chat_greedy_choices_are_equal(svc: Service) -> None:
