@@ -112,7 +112,8 @@ def write_tiny_model(path: Path, *, seed: int = 0, shard: bool = False, **config
 
 @dataclass(frozen=True, slots=True)
 class LlamaShape:
-    """The numbers of a Llama checkpoint that size its weights."""
+    """The numbers of a Llama checkpoint that size its weights (`family` "qwen3" adds its q/k
+    norms; "qwen3_moe" also `experts` MLPs of `expert_intermediate` rows, `experts_per_tok`)."""
 
     hidden: int
     intermediate: int
@@ -123,10 +124,19 @@ class LlamaShape:
     head_dim: int = 128
     rope_theta: float = 500000.0
     max_positions: int = 8192
+    family: str = "llama"
+    experts: int = 0
+    experts_per_tok: int = 0
+    expert_intermediate: int = 0
 
 
 LLAMA_3_1_8B = LlamaShape(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8,
                           vocab=128256)
+QWEN3_0_6B = LlamaShape(hidden=1024, intermediate=3072, layers=28, heads=16, kv_heads=8, vocab=151936,
+                        rope_theta=1000000.0, family="qwen3")
+QWEN3_30B_A3B_4_LAYERS = LlamaShape(hidden=2048, intermediate=6144, layers=4, heads=32, kv_heads=4, vocab=151936,
+                                    rope_theta=1000000.0, family="qwen3_moe", experts=128, experts_per_tok=8,
+                                    expert_intermediate=768)  # Qwen3-30B-A3B's layers, 4 of its 48
 
 
 def write_random_llama(path: Path, shape: LlamaShape, *, dtype: torch.dtype = torch.bfloat16,
@@ -134,7 +144,7 @@ def write_random_llama(path: Path, shape: LlamaShape, *, dtype: torch.dtype = to
     """Random weights of `shape` as an HF Llama directory, one safetensors shard per layer
     (made on `device`, written from host memory); returns `path`."""
     from safetensors.torch import save_file
-    from tokenizers import Tokenizer, models
+    from tokenizers import Tokenizer, models, pre_tokenizers
 
     path.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -159,12 +169,18 @@ def write_random_llama(path: Path, shape: LlamaShape, *, dtype: torch.dtype = to
             p + "self_attn.k_proj.weight": rand(shape.kv_heads * d, h),
             p + "self_attn.v_proj.weight": rand(shape.kv_heads * d, h),
             p + "self_attn.o_proj.weight": rand(h, shape.heads * d),
-            p + "mlp.gate_proj.weight": rand(shape.intermediate, h),
-            p + "mlp.up_proj.weight": rand(shape.intermediate, h),
-            p + "mlp.down_proj.weight": rand(h, shape.intermediate),
             p + "input_layernorm.weight": ones(h),
             p + "post_attention_layernorm.weight": ones(h),
         })
+        if shape.family != "llama":
+            shards[-1] |= {p + "self_attn.q_norm.weight": ones(d), p + "self_attn.k_norm.weight": ones(d)}
+        mlps = [(f"{p}mlp.experts.{e}.", shape.expert_intermediate) for e in range(shape.experts)] or \
+            [(p + "mlp.", shape.intermediate)]
+        if shape.experts:
+            shards[-1][p + "mlp.gate.weight"] = rand(shape.experts, h)
+        for q, inter in mlps:
+            shards[-1] |= {q + "gate_proj.weight": rand(inter, h), q + "up_proj.weight": rand(inter, h),
+                           q + "down_proj.weight": rand(h, inter)}
     weight_map: dict[str, str] = {}
     total = 0
     for n, tensors in enumerate(shards):
@@ -175,8 +191,11 @@ def write_random_llama(path: Path, shape: LlamaShape, *, dtype: torch.dtype = to
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
     eos = shape.vocab - 1
-    (path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    arch = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+    moe = {"num_experts": shape.experts, "num_experts_per_tok": shape.experts_per_tok, "norm_topk_prob": True,
+           "moe_intermediate_size": shape.expert_intermediate} if shape.experts else {}
+    (path / "config.json").write_text(json.dumps(moe | {
+        "architectures": [arch[shape.family]], "model_type": shape.family,
         "hidden_size": h, "intermediate_size": shape.intermediate,
         "num_hidden_layers": shape.layers, "num_attention_heads": shape.heads,
         "num_key_value_heads": shape.kv_heads, "head_dim": d, "vocab_size": shape.vocab,
@@ -185,6 +204,9 @@ def write_random_llama(path: Path, shape: LlamaShape, *, dtype: torch.dtype = to
         "torch_dtype": str(dtype).removeprefix("torch."), "bos_token_id": 0, "eos_token_id": eos,
     }))
     vocab = {f"<{i}>": i for i in range(shape.vocab)}
-    Tokenizer(models.WordLevel(vocab=vocab, unk_token="<0>")).save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": f"<{eos}>"}))
+    word_level = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<0>"))
+    word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # a text prompt is a token a word
+    word_level.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": f"<{eos}>",
+                                                            "tokenizer_class": "PreTrainedTokenizerFast"}))
     return path
