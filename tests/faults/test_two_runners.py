@@ -170,7 +170,10 @@ def test_runner_stopped_mid_step_past_its_lease_writes_nothing(svc: Service) -> 
             layers = [int(n) for n in MID_STEP.findall(svc.log_path.read_text())]
             if any(n > 0 for n in layers):
                 break
-        time.sleep(2.0)  # the re-attached runner serves again
+        end = time.monotonic() + 20  # the load's next wave after the last stall (waves of ~2.6 s)
+        while time.monotonic() < end and not any(
+                r[1] == grpc.StatusCode.OK and r[3] > stalls[-1][1] + 1.0 for r in list(load.results)):
+            time.sleep(0.2)
     finally:
         load.stop()
     assert any(n > 0 for n in layers), f"no stop landed mid-step in 6 trials (fence layers {layers})"

@@ -272,7 +272,11 @@ def test_n_takes_its_seats_at_admission_and_abort_stops_every_choice(api: Fronte
             assert (_metric(api, "kvserve_num_requests_running"), _metric(api, "kvserve_num_requests_waiting")) == (2, 0)
             assert api.stub.Abort(pb.AbortRequest(request_id="run"), timeout=5).aborted
             assert {i: v[-1] for i, v in _choices_until(lines, aborted).items()} == {0: "abort", 1: "abort"}
-    assert r.wait_for(lambda: len(r.aborts()) == 3)  # two's choice 0 (choice 1 never ran), run's two
+    def received() -> set[str]:
+        return {m.request_id for m in r.generate_reqs()}
+    # every choice the runner was given was aborted: two's choice 0 (its choice 1 never ran), run's two
+    assert r.wait_for(lambda: set(r.aborts()) == received(), timeout=15), (r.aborts(), received())
+    assert len(received()) == 3, received()
     assert (_metric(api, "kvserve_num_requests_running"), _metric(api, "kvserve_num_requests_waiting")) == (0, 0)
     with pytest.raises(grpc.RpcError) as err:
         next(iter(api.stub.Generate(pb.GenerateRequest(request_id="a\x1f1", text="hi"), timeout=5)))
