@@ -23,20 +23,25 @@ def param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter
 
 
 class RMSNorm(nn.Module):
-    """RMS normalisation computed in float32, as transformers does, then scaled in the model dtype."""
+    """RMS normalisation computed in float32, as transformers does, then scaled in the model dtype
+    (`float_scale`: scaled in float32 and then rounded, as OLMo 2 does; torch's ops only)."""
 
-    def __init__(self, dim: int, eps: float, *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, dim: int, eps: float, *, dtype: torch.dtype, device: torch.device,
+                 float_scale: bool = False) -> None:
         super().__init__()
         self.weight = param(dim, dtype=dtype, device=device)
         self.eps = eps
+        self.float_scale = float_scale
         self.row_ops: Any = None  # set by LlamaForCausalLM.use_row_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = self.row_ops
-        if ops is not None and ops.rowwise(x):
+        if ops is not None and not self.float_scale and ops.rowwise(x):
             return ops.rms_norm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.float_scale:
+            return (self.weight * xf).to(x.dtype)
         return self.weight * xf.to(x.dtype)
 
 
@@ -48,6 +53,7 @@ class Rotary(nn.Module):
     def __init__(self, config: ModelConfig, *, device: torch.device) -> None:
         super().__init__()
         self.head_dim, self.partial = config.head_dim, config.rot_dim < config.head_dim
+        self.float_turn = config.float_tail  # turned in float32, then rounded (OLMo 2)
         self.register_buffer("inv_freq", config.inv_freq().to(device), persistent=False)
         self.register_buffer(
             "cos", torch.empty(0, config.rot_dim // 2, device=device), persistent=False
@@ -82,6 +88,11 @@ class Rotary(nn.Module):
         contiguous rows, heads) -> the first `heads` heads rotated, [T, heads, D]. With
         `ops` (row ops, see `LlamaForCausalLM.use_row_ops`), one pass of its `rotary` (the
         same numbers)."""
+        if self.float_turn:
+            cos, sin = self.tables(positions, torch.float32)
+            d = self.head_dim
+            return lambda x, heads: apply_rotary(x[:, : heads * d].reshape(x.shape[0], heads, d).float(),
+                                                 cos, sin).to(x.dtype)
         if self.partial:
             cos, sin = self.tables(positions, dtype)
             rot, d = 2 * self.cos.shape[1], self.head_dim

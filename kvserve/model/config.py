@@ -70,6 +70,7 @@ class ModelConfig:
     expert_names: tuple[str, ...] = QWEN_EXPERTS  # the family's (`kvserve.model.families`)
     fused_checkpoint: bool = False  # q/k/v and gate/up stored fused (Phi-3)
     rotary_dim: int = 0  # the first dims of each head the rotary turns; 0: all of head_dim
+    float_tail: bool = False  # the family's (`kvserve.model.families`)
 
     @property
     def rot_dim(self) -> int:
@@ -188,6 +189,7 @@ def config_from_hf(cfg: dict[str, Any], where: str) -> ModelConfig:
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=traits.qk_norm,
             norm_after=traits.norm_after,
+            float_tail=traits.float_tail,
             **(_multipliers(cfg) if traits.scaled else {}),
             **(_experts(cfg, family) if traits.moe else {}),
             **({"fused_checkpoint": True, "rotary_dim": _rotary_dim(cfg, rope, hidden // n_heads)} if traits.fused else {}),
@@ -290,6 +292,7 @@ def config_from_gguf(
         rope_freq_factors=rope_freq_factors,
         qk_norm=traits.qk_norm,
         norm_after=traits.norm_after,
+        float_tail=traits.float_tail,
         **({"embedding_multiplier": float(fields.get(f"{arch}.embedding_scale", 1.0)),
             "residual_multiplier": float(fields.get(f"{arch}.residual_scale", 1.0)),
             "attention_multiplier": float(fields.get(f"{arch}.attention.scale", 0.0)),

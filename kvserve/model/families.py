@@ -13,6 +13,8 @@ SwiGLU MLP) with some of these changes, which the config carries to the layers:
   tensors under ``expert_names`` (block, router, gate, up, down: Qwen3-MoE's, or Mixtral's);
 - ``fused``: the checkpoint holds q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj` (Phi-3),
   and the rotary may turn only part of each head (`partial_rotary_factor`);
+- ``float_tail``: the norms scale by their weight, and the rotary turns, in float32 before
+  rounding to the model's dtype (OLMo 2: a bf16 model then matches transformers bitwise);
 - ``permuted``: llama.cpp stores its Q/K rows permuted for the rotary (the Llama converters).
 
 Knows the families' names and traits; nothing about tensors or modules.
@@ -37,6 +39,7 @@ class Family:
     moe: bool = False
     expert_names: tuple[str, ...] = QWEN_EXPERTS
     fused: bool = False
+    float_tail: bool = False
     permuted: bool = False
 
 
@@ -49,7 +52,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("mixtral", ("mixtral",), (), moe=True, expert_names=("block_sparse_moe", "gate", "w1", "w3", "w2"),
            permuted=True),  # a GGUF of Mixtral is a `llama` with experts
     Family("phi3", ("phi3",), (), fused=True),  # llama.cpp's phi3 GGUF layout is not read
-    Family("olmo2", ("olmo2",), ("olmo2",), qk_norm="all", norm_after=True),
+    Family("olmo2", ("olmo2",), ("olmo2",), qk_norm="all", norm_after=True, float_tail=True),
     Family("granite", ("granite",), ("granite",), scaled=True, permuted=True),
 )}
 

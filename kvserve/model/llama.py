@@ -60,14 +60,15 @@ class DecoderLayer(nn.Module):
         kw: dict[str, Any] = {"dtype": dtype, "device": device}
         self.cfg = cfg
         self.moe = MoE(cfg, **kw) if moe else None  # the experts replace the MLP's projections
-        self.input_norm = None if cfg.norm_after else RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
-        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
-        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw) if cfg.norm_after else None
+        nkw: dict[str, Any] = {**kw, "float_scale": cfg.float_tail}
+        self.input_norm = None if cfg.norm_after else RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **nkw)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **nkw)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **nkw) if cfg.norm_after else None
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:
             per_head = cfg.qk_norm == "head"
-            self.q_norm = RMSNorm(cfg.head_dim if per_head else cfg.q_size, cfg.rms_norm_eps, **kw)
-            self.k_norm = RMSNorm(cfg.head_dim if per_head else cfg.kv_size, cfg.rms_norm_eps, **kw)
+            self.q_norm = RMSNorm(cfg.head_dim if per_head else cfg.q_size, cfg.rms_norm_eps, **nkw)
+            self.k_norm = RMSNorm(cfg.head_dim if per_head else cfg.kv_size, cfg.rms_norm_eps, **nkw)
         qkv_rows = cfg.q_size + 2 * cfg.kv_size
         self.qkv_weight = param(qkv_rows, cfg.hidden_size, **kw)
         self.qkv_bias = param(qkv_rows, **kw) if cfg.qkv_bias else None
@@ -159,7 +160,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed = param(config.vocab_size, config.hidden_size, **kw)
         self.layers = nn.ModuleList(DecoderLayer(config, **kw, moe=i in config.moe_layers)
                                     for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw, float_scale=config.float_tail)
         self.lm_head = (
             self.embed
             if config.tie_word_embeddings

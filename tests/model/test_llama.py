@@ -179,3 +179,18 @@ def test_static_loop_matches_paged_greedy(tmp_path, backend) -> None:
     want = greedy_generate(model, backend, prompts, 8, dtype=torch.float32)
     assert run.tokens.tolist() == want
     assert run.tokens_per_s > 0 and run.decode_tokens_per_s > 0
+
+
+@pytest.mark.parametrize("family", ["qwen3", "olmo2"])
+def test_bfloat16_logits_equal_transformers_bitwise(tmp_path, backend, family) -> None:
+    # OLMo 2 scales its norms and turns its rotary in float32 before rounding (float_tail)
+    from transformers import AutoModelForCausalLM
+
+    path = write_tiny_model(tmp_path / "m", family=family, tie=False)
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
+    model = load_weights(path, dtype=torch.bfloat16)
+    kv = PagedKV(model.config, max_reqs=1, max_len=64, dtype=torch.bfloat16)
+    ours = kv.forward(model, backend, [PROMPTS[0]], rows=[0], prefix_lens=[0], all_logits=True)  # bf16's, as float32
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPTS[0]])).logits[0].float()
+    assert torch.equal(ours, ref), (ours - ref).abs().max()
