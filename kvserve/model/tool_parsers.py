@@ -108,7 +108,30 @@ class Family:
 
     def split(self, text: str, final: bool) -> tuple[list[Item], str]:
         """The complete items at the head of `text` (which begins with the calls) and the
-        text still open; `final`: the reply has ended, nothing stays open."""
+        text still open; `final`: the reply has ended, nothing stays open. For a family whose
+        every call opens with its marker: prose up to a marker, then the block there."""
+        items: list[Item] = []
+        while text:
+            head = text.lstrip()
+            if not head.startswith(self.marker):
+                text, go_on = self.split_prose(text, final, items)
+                if not go_on:
+                    return items, text
+                continue
+            if len(head) < len(text):
+                items.append(text[:len(text) - len(head)])  # whitespace (dropped between calls)
+            text = head
+            read = self.block(text, final)
+            if read is None:
+                return items, text
+            block, end = read
+            items.extend(block)
+            text = text[end:]
+        return items, ""
+
+    def block(self, text: str, final: bool) -> tuple[list[Item], int] | None:
+        """The calls (or, not parsing, the content) `text`, which begins with the marker, opens
+        with, and where they end; None while they may still be arriving."""
         raise NotImplementedError
 
     def call_id(self) -> str:
@@ -150,31 +173,9 @@ class Hermes(Family):
     marker = "<tool_call>"
     end = "</tool_call>"
 
-    def split(self, text: str, final: bool) -> tuple[list[Item], str]:
-        items: list[Item] = []
-        while text:
-            head = text.lstrip()
-            if not head.startswith(self.marker):
-                text, go_on = self.split_prose(text, final, items)
-                if not go_on:
-                    return items, text
-                continue
-            if len(head) < len(text):
-                items.append(text[:len(text) - len(head)])  # whitespace (dropped between calls)
-            text = head
-            read = self._block(text, final)
-            if read is None:
-                return items, text
-            item, end = read
-            items.append(item)
-            text = text[end:]
-        return items, ""
-
-    def _block(self, text: str, final: bool) -> tuple[Item, int] | None:
-        """The call (or, not parsing, the content) `text` begins with and where it ends; None
-        while it may still be arriving. The JSON is read first, so a `</tool_call>` inside one
-        of its strings does not cut it; a call whose JSON is whole is a call with or without
-        its closing tag."""
+    def block(self, text: str, final: bool) -> tuple[list[Item], int] | None:
+        """The JSON is read first, so a `</tool_call>` inside one of its strings does not cut it;
+        a call whose JSON is whole is a call with or without its closing tag."""
         pos = len(self.marker)
         body = text[pos:].lstrip()
         pos = len(text) - len(body)
@@ -184,15 +185,15 @@ class Hermes(Family):
             end = found[1]
             rest = text[end:].lstrip()
             if rest.startswith(self.end):
-                return call, len(text) - len(rest) + len(self.end)
+                return [call], len(text) - len(rest) + len(self.end)
             if not final and self.end.startswith(rest):  # the closing tag may still come
                 return None
-            return call, end
+            return [call], end
         if not final:  # unparsed so far: more of the JSON may come
             return None
         close = text.find(self.end)
         end = len(text) if close < 0 else close + len(self.end)
-        return text[:end], end  # not a call: content
+        return [text[:end]], end  # not a call: content
 
     def rules(self, many: bool, auto: bool, marker_token: int | None) -> str:
         calls = '"\\n" body "\\n</tool_call>"' + (' ("\\n<tool_call>\\n" body "\\n</tool_call>")*' if many else "")
@@ -256,39 +257,25 @@ class Mistral(Family):
         """Mistral's templates take only ids of 9 letters and digits."""
         return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
 
-    def split(self, text: str, final: bool) -> tuple[list[Item], str]:
-        items: list[Item] = []
-        while text:
-            head = text.lstrip()
-            if not head.startswith(self.marker):
-                text, go_on = self.split_prose(text, final, items)
-                if not go_on:
-                    return items, text
-                continue
-            if len(head) < len(text):
-                items.append(text[:len(text) - len(head)])  # whitespace (dropped between calls)
-            text = head
-            pos = len(self.marker)
-            while pos < len(text) and text[pos].isspace():
-                pos += 1
-            named = self._NAME.match(text, pos)
-            if named and not text.startswith("[", pos):
-                name_end = named.end()
-                found = _json_at(text, name_end) if text.startswith("{", name_end) else None
-                calls = [_call({"name": named.group().removesuffix("[ARGS]"), "arguments": found[0]},
-                               self.args_keys)] if found else None
-            else:
-                found = _json_at(text, pos) if text.startswith("[", pos) else None
-                calls = [_call(o, self.args_keys) for o in found[0]] if found and isinstance(found[0], list) else None
-            if found is None and not final:
-                return items, text
-            end = found[1] if found else len(text)
-            if calls and all(c is not None for c in calls):
-                items.extend(c for c in calls if c is not None)
-            else:
-                items.append(text[:end])
-            text = text[end:]
-        return items, ""
+    def block(self, text: str, final: bool) -> tuple[list[Item], int] | None:
+        pos = len(self.marker)
+        while pos < len(text) and text[pos].isspace():
+            pos += 1
+        named = self._NAME.match(text, pos)
+        if named and not text.startswith("[", pos):
+            name_end = named.end()
+            found = _json_at(text, name_end) if text.startswith("{", name_end) else None
+            calls = [_call({"name": named.group().removesuffix("[ARGS]"), "arguments": found[0]},
+                           self.args_keys)] if found else None
+        else:
+            found = _json_at(text, pos) if text.startswith("[", pos) else None
+            calls = [_call(o, self.args_keys) for o in found[0]] if found and isinstance(found[0], list) else None
+        if found is None and not final:
+            return None
+        end = found[1] if found else len(text)
+        if calls and all(c is not None for c in calls):
+            return [c for c in calls if c is not None], end
+        return [text[:end]], end
 
     def rules(self, many: bool, auto: bool, marker_token: int | None) -> str:
         calls = '"[" body' + (' (", " body)*' if many else "") + ' "]"'

@@ -12,7 +12,7 @@ from kvserve.kernels import get_backend, native
 from kvserve.model.quant import Int4Linear
 from kvserve.model.weights import load_model
 
-from .tinymodel import PagedKV, write_tiny_model
+from .tinymodel import PagedKV, causal_attention, write_tiny_model
 
 MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True}
 
@@ -53,17 +53,7 @@ def test_bf16_experts_without_quantization_keep_one_copy_and_one_probe(tmp_path,
         # per layer q/k/v, o, the router and one per expert shape (not one per expert: 16 here); the head
         assert len(probes) == 5 * len(bf16.layers) + 1
     ids = torch.tensor([5, 17, 99, 3, 200, 41])
-    attend = _causal(bf16.config)
+    attend = causal_attention(bf16.config)
     got = bf16.forward_tokens(ids, torch.arange(6), attend, torch.tensor([5]))
     want = f32.forward_tokens(ids, torch.arange(6), attend, torch.tensor([5]))
     assert ((got - want).norm() / want.norm()).item() < 0.05
-
-
-def _causal(cfg):
-    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        rep = cfg.num_heads // cfg.num_kv_heads
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=cfg.sm_scale)
-        return o.transpose(0, 1)
-    return attend

@@ -15,7 +15,7 @@ from kvserve.model import gguf as ggufload
 from kvserve.model.config import ModelLoadError
 from kvserve.model.weights import load_config, load_model, load_tokenizer, load_weights
 
-from .tinymodel import BYTE_VOCAB, VOCAB_SIZE, write_tiny_model
+from .tinymodel import BYTE_VOCAB, VOCAB_SIZE, causal_attention, write_tiny_model
 
 LLAMA3 = {
     "rope_type": "llama3",
@@ -42,15 +42,6 @@ def _same_params(a: torch.nn.Module, b: torch.nn.Module) -> None:
         assert torch.equal(pa[name], pb[name]), name
 
 
-def _dense_attention(cfg):
-    """attend() for one sequence without a cache: causal attention over all its tokens."""
-    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        rep = cfg.num_heads // cfg.num_kv_heads
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=cfg.sm_scale)
-        return o.transpose(0, 1)
-    return attend
 
 
 def test_load_model_from_hf_dir(tiny: Path) -> None:
@@ -327,7 +318,7 @@ def test_gguf_weights_equal_hf_weights(tmp_path: Path, family, arch, permute, ti
         assert getattr(from_gguf.config, field) == pytest.approx(getattr(from_hf.config, field)), field
     _same_params(from_gguf, from_hf)
     ids = torch.tensor([5, 17, 99, 3, 200])
-    same = [m.forward_tokens(ids, torch.arange(5), _dense_attention(m.config), torch.tensor([4]))
+    same = [m.forward_tokens(ids, torch.arange(5), causal_attention(m.config), torch.tensor([4]))
             for m in (from_gguf, from_hf)]
     torch.testing.assert_close(same[0], same[1], rtol=1e-5, atol=1e-5)
 

@@ -21,6 +21,17 @@ from kvserve.tools.tinymodel import (  # noqa: F401  (re-exported for the tests)
 )
 
 
+def causal_attention(cfg: Any):
+    """attend() for one sequence without a cache: causal attention over all its tokens."""
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        rep = cfg.num_heads // cfg.num_kv_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=cfg.sm_scale)
+        return o.transpose(0, 1)
+    return attend
+
+
 class PagedKV:
     """KV buffers and a `req_to_token` table allocated in-process, laid out like memsvc's.
 
