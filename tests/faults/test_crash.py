@@ -48,14 +48,14 @@ def test_runner_kill9_unavailable_lease_reclaimed_restart_hits_cache(svc: Servic
     # two streams of 140 tokens (2 x ~160 reserved slots fit beside the 59 cached ones): a
     # tiny-model stream of 60 ends ~0.1 s after its first token, which a loaded CI host spent
     # before the kill; the runner is frozen first so that no stream can end before it dies
+    runner = svc.pids()["runner"]  # read before: on a loaded host the lookup outlasted both streams
     streams = [Stream(svc.stub, greedy(f"stream {i}: count on", 140)) for i in range(2)]
     _wait_first(streams)
-    runner = svc.pids()["runner"]
     os.kill(runner, signal.SIGSTOP)
-    assert all(s.code is None for s in streams), \
-        f"a stream ended before the runner was stopped: {[(s.code, len(s.tokens)) for s in streams]}"
-    os.kill(runner, signal.SIGKILL)
+    ended = [(s.code, len(s.tokens)) for s in streams if s.code is not None]
+    os.kill(runner, signal.SIGKILL)  # before the check: a failed check leaves no stopped runner to the next tests
     killed = time.monotonic()
+    assert not ended, f"a stream ended before the runner was stopped: {ended}"
     for s in streams:
         assert s.join(10)
         assert s.code == grpc.StatusCode.UNAVAILABLE, (s.code, s.details)
