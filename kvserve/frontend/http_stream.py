@@ -154,25 +154,23 @@ class _ChatFormat(_Format):
             "index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
             + b"\n\n" for i in range(self.n))
 
-    def chunk(self, step: Step, index: int = 0) -> dict:
+    def _delta(self, index: int, delta: dict, logprobs: dict | None = None, reason: str | None = None) -> dict:
         return self._head(self.chunk_object) | {"choices": [{
-            "index": index, "delta": {"content": step.text} if step.text else {},
-            "logprobs": self._logprobs(step.token_ids, step.logprobs), "finish_reason": step.finish_reason or None}]}
+            "index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
+
+    def chunk(self, step: Step, index: int = 0) -> dict:
+        return self._delta(index, {"content": step.text} if step.text else {},
+                           self._logprobs(step.token_ids, step.logprobs), step.finish_reason or None)
 
     def chunks(self, step: Step, index: int = 0) -> list[dict]:
         if self.tools is None:
             return [self.chunk(step, index)]
         content, calls = self.tools.step(index, step)
         lps = self._logprobs(step.token_ids, step.logprobs)
-
-        def one(delta: dict, logprobs: dict | None = None, reason: str | None = None) -> dict:
-            return self._head(self.chunk_object) | {"choices": [{
-                "index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
-
-        out = [one({"content": content} if content else {}, lps)] if content or lps else []
-        out += [one({"tool_calls": [d]}) for d in calls]
+        out = [self._delta(index, {"content": content} if content else {}, lps)] if content or lps else []
+        out += [self._delta(index, {"tool_calls": [d]}) for d in calls]
         if step.finish_reason:
-            out.append(one({}, None, self.tools.finish_reason(index, step.finish_reason)))
+            out.append(self._delta(index, {}, None, self.tools.finish_reason(index, step.finish_reason)))
         return out
 
     def choice(self, steps: list[Step], index: int) -> dict:

@@ -53,13 +53,12 @@ class ToolPlan:
         if named is not None and named not in {t.name for t in tools}:
             raise _bad("tool_choice.function.name", f"{named!r} is not one of the tools")
         one = not body.parallel_tool_calls
-        strict = [i for i, t in enumerate(body.tools) if t.function.strict]
         constraint = None
         if named is not None:
             constraint = grammar(family, [t for t in tools if t.name == named], False, marker_token=marker_id)
         elif choice == "required":
             constraint = grammar(family, tools, not one, marker_token=marker_id)
-        elif strict:  # auto, with arguments that must follow their schemas
+        elif any(t.function.strict for t in body.tools):  # auto, with arguments that must follow their schemas
             constraint = grammar(family, tools, not one, auto=True, marker_token=marker_id)
         return ToolPlan(family, named, one, marker_id,
                         None if constraint is None else pb.Constraint(grammar=constraint))

@@ -88,19 +88,16 @@ class Rotary(nn.Module):
         contiguous rows, heads) -> the first `heads` heads rotated, [T, heads, D]. With
         `ops` (row ops, see `LlamaForCausalLM.use_row_ops`), one pass of its `rotary` (the
         same numbers)."""
-        if self.float_turn:
-            cos, sin = self.tables(positions, torch.float32)
-            d = self.head_dim
-            return lambda x, heads: apply_rotary(x[:, : heads * d].reshape(x.shape[0], heads, d).float(),
-                                                 cos, sin).to(x.dtype)
-        if self.partial:
-            cos, sin = self.tables(positions, dtype)
+        if self.float_turn or self.partial:  # torch's ops: the first `rot` dims, in float32 if asked
+            turn_dtype = torch.float32 if self.float_turn else dtype
+            cos, sin = self.tables(positions, turn_dtype)
             rot, d = 2 * self.cos.shape[1], self.head_dim
 
-            def partial(x: torch.Tensor, heads: int) -> torch.Tensor:
+            def turn(x: torch.Tensor, heads: int) -> torch.Tensor:
                 x = x[:, : heads * d].reshape(x.shape[0], heads, d)
-                return torch.cat((apply_rotary(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
-            return partial
+                turned = apply_rotary(x[..., :rot].to(turn_dtype), cos, sin).to(x.dtype)
+                return turned if rot == d else torch.cat((turned, x[..., rot:]), dim=-1)
+            return turn
         if ops is not None:
             self._ensure(positions)
             pos = positions.to(torch.int64).contiguous()

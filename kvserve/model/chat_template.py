@@ -71,11 +71,12 @@ class ChatTemplate:
         """`special_tokens`: template variable -> token text, e.g. {"bos_token": "<s>"}."""
         env = _environment()
         try:
-            self._template = env.from_string(source)
+            ast = env.parse(source)  # parsed once: compiled, and read for the variables it uses
+            self._template = env.from_string(ast)
         except TemplateError as exc:
             raise ChatTemplateError(f"chat_template: does not compile ({exc})") from None
         # whether the template reads `tools` (shows the model the tools of a chat)
-        self.renders_tools = "tools" in meta.find_undeclared_variables(env.parse(source))
+        self.renders_tools = "tools" in meta.find_undeclared_variables(ast)
         self.source = source
         self.special_tokens = dict(special_tokens)
 

@@ -22,8 +22,8 @@ llguidance and torch; nothing about memsvc, sockets or the scheduler's tables.
 
 from __future__ import annotations
 
+import functools
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -70,7 +70,7 @@ class Constrainer:
         self.n_vocab = n_vocab
         self.eos = list(eos_token_ids)
         self._tok: llguidance.LLTokenizer | None = None
-        self._fresh: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()  # grammar text -> matcher
+        self._fresh = functools.lru_cache(maxsize=MATCHERS_KEPT)(self._compile)  # grammar text -> matcher
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="runner-grammar")  # started at its first fill
 
     @property
@@ -82,17 +82,13 @@ class Constrainer:
     def matcher(self, grammar: str) -> llguidance.LLMatcher:
         """A matcher at the start of `grammar`; ValueError with llguidance's message when the
         grammar does not compile (the frontend checks it first: this is a hostile peer's)."""
-        m = self._fresh.get(grammar)
-        if m is None:
-            m = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=LIMITS)
-            if m.is_error():
-                raise ValueError(m.get_error())
-            self._fresh[grammar] = m
-            if len(self._fresh) > MATCHERS_KEPT:
-                self._fresh.popitem(last=False)
-        else:
-            self._fresh.move_to_end(grammar)
-        return m.deep_copy()
+        return self._fresh(grammar).deep_copy()
+
+    def _compile(self, grammar: str) -> llguidance.LLMatcher:
+        m = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=LIMITS)
+        if m.is_error():  # raised, so not kept
+            raise ValueError(m.get_error())
+        return m
 
     def fill(self, rows: list[int], matchers: list[Any]) -> Fill:
         """Start computing the masks of `matchers` (those of sampling rows `rows`, one or more)."""

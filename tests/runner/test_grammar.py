@@ -58,9 +58,9 @@ def test_a_grammar_compiles_once_and_each_request_gets_its_own_matcher(tok: Toke
     assert constrainer.accept(three, _id(tok, "a")) == (False, "")
 
 
-def test_the_least_recently_used_grammar_is_compiled_again(constrainer: Constrainer,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_least_recently_used_grammar_is_compiled_again(tok: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(grammar_mod, "MATCHERS_KEPT", 2)
+    constrainer = Constrainer(tok.to_str, VOCAB_SIZE, [EOS])  # keeps MATCHERS_KEPT grammars
     built = []
     real = llguidance.LLMatcher
     monkeypatch.setattr(grammar_mod.llguidance, "LLMatcher", lambda *a, **kw: built.append(a[1]) or real(*a, **kw))
